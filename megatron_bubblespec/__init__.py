@@ -1,0 +1,1 @@
+"""megatron-bubblespec: synchronous on-policy RL on Megatron-core + vLLM with BubbleSpec drafts."""

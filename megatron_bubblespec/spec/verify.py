@@ -1,0 +1,174 @@
+"""Draft verification: (target logits over prompt+draft, draft tokens) -> accepted prefix + next token.
+
+Three rules share one settlement step (``_settle``): find the accepted prefix, stop at an accepted
+EOS, and emit the target's own token after it (the correction at a rejection, the bonus token when
+the whole draft is accepted).
+
+* ``verify_keyed`` (the default, exact for any proposal): accept while the target's keyed draw
+  equals the draft token. The draw is the same Gumbel-max draw plain decoding would make at that
+  position with that key, so the verified response is token-identical to plain decoding. Needs no
+  draft probabilities. Works on a vocabulary sharded over a tensor-parallel group.
+* ``verify_residual`` (ablation, exact): standard speculative sampling, accept y with probability
+  min(1, p(y)/q(y)), else draw from norm(max(0, p - q)). Needs the draft distribution q.
+* ``verify_lenient`` (ablation, NOT exact): SPEC-RL's rule, accept with probability
+  min(1, l * p(y)/q(y)) for a lenience l >= 1 and redraw from p on rejection. Biased towards the
+  draft; it exists to measure what inexactness costs and is labelled so everywhere.
+
+Shapes: ``target_logits`` [B, L+1, V] holds, at index j, the logits that predict response position
+``start + j`` given the prompt, the response so far and draft[:j]; ``draft`` [B, L] is right-padded,
+``draft_lens`` [B] gives the real lengths (0 = no draft: the result is one plain keyed draw).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from megatron_bubblespec.sampling.keyed import (
+    STREAM_ACCEPT,
+    STREAM_RESIDUAL,
+    SamplingParams,
+    gumbel_noise,
+    keyed_sample,
+    truncation_mask,
+    uniform_at,
+)
+
+NO_TOKEN = -1
+
+EXACT_RULES = {"keyed": True, "residual": True, "lenient": False}
+
+
+@dataclass
+class Verification:
+    """Per sample: how many draft tokens to keep, the token after them, whether the response ended.
+
+    The verified continuation is ``draft[:accepted] + [next_token]`` (``next_token`` is -1 when an
+    accepted draft token was EOS, which ends the response with nothing after it).
+    """
+
+    accepted: torch.Tensor    # [B] int64
+    next_token: torch.Tensor  # [B] int64, -1 = none
+    finished: torch.Tensor    # [B] bool: EOS accepted or emitted
+
+    def tokens(self, draft: torch.Tensor) -> list[list[int]]:
+        """The verified continuation of each sample as Python lists."""
+        out = []
+        for row, n, nxt in zip(draft.tolist(), self.accepted.tolist(), self.next_token.tolist()):
+            out.append(row[:n] + ([nxt] if nxt != NO_TOKEN else []))
+        return out
+
+
+def _check_shapes(target_logits, draft, draft_lens):
+    if target_logits.dim() != 3 or draft.dim() != 2:
+        raise ValueError("target_logits must be [B, L+1, V] and draft [B, L]; got "
+                         f"{tuple(target_logits.shape)} and {tuple(draft.shape)}")
+    b, l1, _ = target_logits.shape
+    if draft.shape != (b, l1 - 1) or draft_lens.shape != (b,):
+        raise ValueError(f"draft {tuple(draft.shape)} / draft_lens {tuple(draft_lens.shape)} do not "
+                         f"match target_logits {tuple(target_logits.shape)} (expected [B, L+1, V], "
+                         "[B, L], [B])")
+    if bool((draft_lens < 0).any()) or bool((draft_lens > l1 - 1).any()):
+        raise ValueError(f"draft_lens must lie in [0, {l1 - 1}], got {draft_lens.tolist()}")
+
+
+def _positions(start_positions: torch.Tensor, width: int) -> torch.Tensor:
+    return start_positions.reshape(-1, 1) + torch.arange(width, device=start_positions.device)
+
+
+def _settle(accept: torch.Tensor, replacement: torch.Tensor, draft: torch.Tensor,
+            draft_lens: torch.Tensor, eos_token_ids: Iterable[int]) -> Verification:
+    """accept [B, L] (draft token j kept if reached), replacement [B, L+1] (token emitted when the
+    first rejection is at j, or the bonus at j = len) -> Verification."""
+    b, width = draft.shape
+    j = torch.arange(width, device=draft.device).expand(b, width)
+    valid = j < draft_lens.reshape(-1, 1)
+    kept = torch.cumprod((accept & valid).to(torch.int64), dim=-1)
+    accepted = kept.sum(-1)
+    eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.int64, device=draft.device)
+    accepted_eos = torch.isin(draft, eos) & kept.bool()
+    has_eos = accepted_eos.any(-1)
+    first_eos = torch.where(accepted_eos, j, width).min(-1).values if width else accepted
+    accepted = torch.where(has_eos, first_eos + 1, accepted)
+    emitted = replacement.gather(-1, accepted.clamp(max=width).reshape(-1, 1)).squeeze(-1)
+    next_token = torch.where(has_eos, torch.full_like(emitted, NO_TOKEN), emitted)
+    finished = has_eos | torch.isin(next_token, eos)
+    return Verification(accepted=accepted, next_token=next_token, finished=finished)
+
+
+def verify_keyed(target_logits: torch.Tensor, draft: torch.Tensor, draft_lens: torch.Tensor,
+                 keys: torch.Tensor, start_positions: torch.Tensor, params: SamplingParams,
+                 eos_token_ids: Iterable[int] = (), *, vocab_offset: int = 0,
+                 vocab_size: int | None = None, group=None) -> Verification:
+    """Exact verification by shared keyed noise; ``group`` = TP group when the vocab is sharded."""
+    _check_shapes(target_logits, draft, draft_lens)
+    b, width1, vocab = target_logits.shape
+    positions = _positions(start_positions, width1)
+    draws = keyed_sample(target_logits.reshape(b * width1, vocab),
+                         keys.reshape(-1, 1).expand(b, width1).reshape(-1), positions.reshape(-1),
+                         params, vocab_offset=vocab_offset, vocab_size=vocab_size,
+                         group=group).view(b, width1)
+    return _settle(draws[:, :-1] == draft, draws, draft, draft_lens, eos_token_ids)
+
+
+def target_probs(target_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """p = softmax(logits / T) after top-k/top-p, float64 [..., V] (the distribution keyed draws follow)."""
+    if params.greedy:
+        raise ValueError("the residual and lenient rules need temperature > 0 (greedy is a point "
+                         "mass; use the keyed rule)")
+    scaled = target_logits.double() / params.temperature
+    if params.truncates:
+        flat = scaled.reshape(-1, scaled.shape[-1])
+        scaled = scaled.masked_fill(~truncation_mask(flat, params).view_as(scaled), float("-inf"))
+    return torch.softmax(scaled, dim=-1)
+
+
+def _ratio_test(target_logits, draft_probs, draft, draft_lens, keys, start_positions, params):
+    _check_shapes(target_logits, draft, draft_lens)
+    if draft_probs.shape != draft.shape + target_logits.shape[-1:]:
+        raise ValueError(f"draft_probs must be [B, L, V] = {tuple(draft.shape) + target_logits.shape[-1:]}, "
+                         f"got {tuple(draft_probs.shape)}")
+    b, width1, vocab = target_logits.shape
+    p = target_probs(target_logits, params)
+    q = draft_probs.double()
+    y = draft.clamp(min=0).unsqueeze(-1)
+    ratio = p[:, :-1].gather(-1, y).squeeze(-1) / q.gather(-1, y).squeeze(-1).clamp_min(1e-300)
+    pos = _positions(start_positions, width1 - 1).reshape(-1)
+    flat_keys = keys.reshape(-1, 1).expand(b, width1 - 1).reshape(-1)
+    u = uniform_at(flat_keys, pos, draft.reshape(-1), STREAM_ACCEPT)
+    bonus = keyed_sample(target_logits.reshape(b * width1, vocab),
+                         keys.reshape(-1, 1).expand(b, width1).reshape(-1),
+                         _positions(start_positions, width1).reshape(-1), params).view(b, width1)
+    return p, q, ratio, u.double().view(b, width1 - 1), bonus
+
+
+def verify_residual(target_logits, draft_probs, draft, draft_lens, keys, start_positions,
+                    params: SamplingParams, eos_token_ids: Iterable[int] = ()) -> Verification:
+    """Exact standard speculative sampling (needs q = ``draft_probs`` [B, L, V]); ablation only."""
+    p, q, ratio, u, bonus = _ratio_test(target_logits, draft_probs, draft, draft_lens, keys,
+                                        start_positions, params)
+    b, width1, vocab = target_logits.shape
+    residual = (p[:, :-1] - q).clamp_min(0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:, :-1])
+    pos = _positions(start_positions, width1 - 1).reshape(-1)
+    g = gumbel_noise(keys.reshape(-1, 1).expand(b, width1 - 1).reshape(-1), pos,
+                     torch.arange(vocab), STREAM_RESIDUAL, dtype=torch.float64)
+    residual_draw = torch.argmax(residual.log().reshape(-1, vocab) + g, dim=-1).view(b, width1 - 1)
+    j = torch.arange(width1, device=draft.device)
+    replacement = torch.where(j < draft_lens.reshape(-1, 1),
+                              torch.cat([residual_draw, bonus[:, -1:]], dim=-1), bonus)
+    return _settle(u <= ratio, replacement, draft, draft_lens, eos_token_ids)
+
+
+def verify_lenient(target_logits, draft_probs, draft, draft_lens, keys, start_positions,
+                   params: SamplingParams, eos_token_ids: Iterable[int] = (),
+                   lenience: float = 1.0) -> Verification:
+    """SPEC-RL's lenient rule (INEXACT for lenience > 1, and never exact: it redraws from p rather
+    than from the residual); ablation only."""
+    if lenience < 1.0:
+        raise ValueError(f"lenience must be >= 1, got {lenience}")
+    _, _, ratio, u, bonus = _ratio_test(target_logits, draft_probs, draft, draft_lens, keys,
+                                        start_positions, params)
+    return _settle(u <= lenience * ratio, bonus, draft, draft_lens, eos_token_ids)

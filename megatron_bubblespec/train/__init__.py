@@ -1,0 +1,1 @@
+"""Training: Megatron model, GRPO loss, trainer, weight resharding into the rollout engines."""
