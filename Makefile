@@ -10,7 +10,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.setup-complete
-CACHE  := $(CURDIR)/.cache
+CACHE  ?= $(HOME)/.cache/megatron-bubblespec
 
 TORCH         := torch==2.13.0
 MEGATRON      := megatron-core==0.16.1 psutil tqdm
@@ -47,4 +47,4 @@ demo: setup
 	$(PY) examples/keyed_verification.py
 
 clean:
-	rm -rf $(VENV) $(CACHE)
+	rm -rf $(VENV)

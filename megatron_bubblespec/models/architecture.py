@@ -1,0 +1,110 @@
+"""HF checkpoint directory -> ModelSpec (the architecture facts every engine and converter reads) + tensors.
+
+Llama/Qwen2 family: RMSNorm, SwiGLU, RoPE, grouped-query attention, tied or untied embeddings,
+optional QKV bias (Qwen2). ``make_tiny_checkpoint`` writes a small random model of either kind
+in the HF layout, for tests of mechanics.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    arch: str                  # "llama" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf_config(cls, config: dict) -> "ModelSpec":
+        archs = config.get("architectures") or []
+        arch = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
+        if arch is None:
+            raise ValueError(f"unsupported architecture {archs}: supported are {sorted(SUPPORTED)}")
+        rope = config.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type", (config.get("rope_scaling") or {}).get("rope_type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"RoPE scaling {rope_type!r} is not supported yet (only 'default')")
+        heads = config["num_attention_heads"]
+        return cls(
+            arch=arch, vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
+            num_layers=config["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            intermediate_size=config["intermediate_size"], rms_norm_eps=config["rms_norm_eps"],
+            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2" or bool(config.get("attention_bias", False)),
+            max_position_embeddings=config.get("max_position_embeddings", 4096))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+REQUIRED_FILES = ("config.json",)
+
+
+def load_checkpoint(path: str | Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
+    """Read an HF directory (config.json + *.safetensors) into a ModelSpec and float tensors."""
+    path = Path(path)
+    missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
+    shards = sorted(path.glob("*.safetensors"))
+    if missing or not shards:
+        raise FileNotFoundError(
+            f"model directory {path} is incomplete: missing {missing or ['*.safetensors']}; point "
+            "the config's model.path at an HF checkpoint directory (config.json + safetensors)")
+    spec = ModelSpec.from_hf_config(json.loads((path / "config.json").read_text()))
+    tensors: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        tensors.update(load_file(str(shard)))
+    return spec, tensors
+
+
+def make_tiny_checkpoint(path: str | Path, arch: str = "llama", *, seed: int = 0,
+                         vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 2,
+                         num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 32,
+                         intermediate_size: int = 128, tie_word_embeddings: bool = False,
+                         init_std: float = 0.1, max_position_embeddings: int = 1024) -> Path:
+    """Write a random Llama- or Qwen2-style model in HF layout (float32) and return its path.
+
+    ``init_std`` larger than HF's 0.02 keeps the next-token distributions far from uniform, so
+    sampling tests see peaked and flat positions alike. head_dim >= 32 (vLLM's CPU attention).
+    """
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
+    config = config_cls(
+        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
+        intermediate_size=intermediate_size, tie_word_embeddings=tie_word_embeddings,
+        initializer_range=init_std, max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="float32")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # HF initialises norms to 1 and biases to 0: vary them too
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.add_(torch.randn_like(param) * 0.1)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, init_std)
+    path = Path(path)
+    model.save_pretrained(path, safe_serialization=True)
+    return path

@@ -1,0 +1,1 @@
+"""Rollout engines: keyed generation requests -> responses (reference torch engine, vLLM engine)."""

@@ -1,0 +1,98 @@
+"""The rollout engine protocol: requests (prompt, key, fixed prefix) -> keyed generation -> results.
+
+Every engine draws every token with the keyed sampler at its absolute response position, so two
+engines holding the same weights produce the same tokens for the same keys, and a request that
+starts from an already-fixed response prefix (tokens accepted by verification) continues exactly
+as an uninterrupted generation would.
+
+Engines are preemptible: ``add`` requests, advance them with ``step`` (one engine forward pass for
+every active request), ``abort`` to stop and collect the partial outputs. ``generate`` is the same
+loop run to completion. The bubble drafter calls ``step`` between checks of the DP barrier.
+
+Accounting: the prefill forward emits a request's first token; every later forward that gives it
+tokens is one *decode step* (the paper's metric). A speculative-continuation forward that accepts
+several tokens is still one decode step. Logprobs are ``log_softmax`` of the raw logits (the policy
+at T = 1, before temperature and truncation), for every response token, prefix included.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from megatron_bubblespec.sampling import SamplingParams
+
+
+@dataclass
+class RolloutRequest:
+    """One sample to generate: prompt, its key, and an optional already-fixed response prefix."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    key: int                                    # sample key (signed int64), see sampling.sample_key
+    max_new_tokens: int                         # response budget, prefix included
+    response_prefix: list[int] = field(default_factory=list)
+    eos_token_ids: tuple[int, ...] = ()
+    draft_pool: list[list[int]] = field(default_factory=list)  # drafts of the same prompt (speculative continuation)
+
+    def __post_init__(self):
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r}: empty prompt")
+        if len(self.response_prefix) > self.max_new_tokens:
+            raise ValueError(f"request {self.request_id!r}: prefix of {len(self.response_prefix)} "
+                             f"tokens exceeds max_new_tokens={self.max_new_tokens}")
+
+
+@dataclass
+class RolloutResult:
+    request_id: str
+    token_ids: list[int]           # the whole response, prefix included
+    logprobs: list[float]          # one per response token
+    decode_steps: int              # forward passes after prefill that gave this request tokens
+    finish_reason: str             # "eos" | "length" | "aborted"
+    proposed_tokens: int = 0       # speculative continuation: tokens proposed from the draft pool
+    accepted_tokens: int = 0       # ... and accepted by the keyed rule
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != "aborted"
+
+
+class RolloutEngine(abc.ABC):
+    """Keyed generation with preemptible stepping and in-place weight updates."""
+
+    weight_version: int = 0
+
+    @abc.abstractmethod
+    def add(self, requests: Iterable[RolloutRequest], params: SamplingParams) -> None:
+        """Queue requests; they start on the next ``step``."""
+
+    @abc.abstractmethod
+    def step(self) -> list[RolloutResult]:
+        """One engine step for every active request; returns the requests that finished in it."""
+
+    @abc.abstractmethod
+    def abort(self, request_ids: Iterable[str] | None = None) -> list[RolloutResult]:
+        """Stop the given (default: all) unfinished requests and return their partial outputs."""
+
+    @abc.abstractmethod
+    def has_unfinished(self) -> bool:
+        """Whether any added request is still queued or running."""
+
+    @abc.abstractmethod
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load HF-layout tensors in place (no restart); caches that depend on weights are reset."""
+
+    def generate(self, requests: Iterable[RolloutRequest],
+                 params: SamplingParams) -> list[RolloutResult]:
+        """Run requests to completion; results in request order."""
+        requests = list(requests)
+        self.add(requests, params)
+        done = {}
+        while self.has_unfinished():
+            for result in self.step():
+                done[result.request_id] = result
+        return [done[r.request_id] for r in requests]

@@ -1,0 +1,217 @@
+"""Reference engine: requests -> keyed generation on the plain-torch model -> results (the oracle).
+
+Batched KV-cache decoding in float32 or float64, with the project's keyed sampler at absolute
+response positions. Each ``step`` prefills newly added requests (their first token comes from the
+prefill) and gives every running request one decode forward. With speculative continuation on, a
+running request whose draft pool has a match proposes up to ``spec_k`` tokens, and the same forward
+verifies them with the keyed rule (``spec.verify_keyed``): rejected proposals cost nothing but the
+wasted columns, since the slot's length is simply not advanced past them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from megatron_bubblespec.models.architecture import load_checkpoint
+from megatron_bubblespec.rollout.base import RolloutEngine, RolloutRequest, RolloutResult
+from megatron_bubblespec.rollout.torch_llama import TorchLlama
+from megatron_bubblespec.sampling import SamplingParams
+from megatron_bubblespec.spec.pool import DraftPool
+from megatron_bubblespec.spec.verify import verify_keyed
+
+
+@dataclass
+class _Running:
+    request: RolloutRequest
+    params: SamplingParams
+    slot: int
+    response: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    cached: int = 0            # tokens of prompt + response whose keys/values are in the slot
+    decode_steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    pool: DraftPool | None = None
+    finish_reason: str | None = None
+
+    @property
+    def context(self) -> list[int]:
+        return self.request.prompt_token_ids + self.response
+
+
+def _pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64)
+    return tokens, torch.tensor([len(r) for r in rows])
+
+
+class ReferenceEngine(RolloutEngine):
+    def __init__(self, model_path: str | Path, *, dtype: torch.dtype = torch.float32,
+                 max_model_len: int | None = None, speculative_continuation: bool = False,
+                 spec_k: int = 4, spec_min_match: int = 2, spec_max_match: int = 8):
+        spec, tensors = load_checkpoint(model_path)
+        self.model = TorchLlama(spec, tensors, dtype=dtype, max_model_len=max_model_len)
+        self.speculative_continuation = speculative_continuation
+        self.spec_k, self.spec_min_match, self.spec_max_match = spec_k, spec_min_match, spec_max_match
+        self._waiting: list[tuple[RolloutRequest, SamplingParams]] = []
+        self._running: dict[str, _Running] = {}
+
+    # ------------------------------------------------------------------ protocol
+    def add(self, requests: Iterable[RolloutRequest], params: SamplingParams) -> None:
+        for request in requests:
+            if request.request_id in self._running or any(
+                    r.request_id == request.request_id for r, _ in self._waiting):
+                raise ValueError(f"duplicate request id {request.request_id!r}")
+            total = len(request.prompt_token_ids) + request.max_new_tokens
+            if total > self.model.max_model_len:
+                raise ValueError(f"request {request.request_id!r}: prompt + max_new_tokens = {total} "
+                                 f"exceeds max_model_len={self.model.max_model_len}")
+            self._waiting.append((request, params))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def step(self) -> list[RolloutResult]:
+        decoding = list(self._running.values())
+        admitted = [self._admit(r, p) for r, p in self._waiting]
+        self._waiting = []
+        if admitted:
+            self._prefill(admitted)
+        if decoding:
+            self._decode(decoding)
+        return [self._finish(s) for s in list(self._running.values()) if s.finish_reason]
+
+    def abort(self, request_ids: Iterable[str] | None = None) -> list[RolloutResult]:
+        if request_ids is None:
+            ids = set(self._running) | {r.request_id for r, _ in self._waiting}
+        else:
+            ids = set(request_ids)
+        results = []
+        for request, params in [(r, p) for r, p in self._waiting if r.request_id in ids]:
+            results.append(RolloutResult(request.request_id, list(request.response_prefix), [],
+                                         0, "aborted"))
+        self._waiting = [(r, p) for r, p in self._waiting if r.request_id not in ids]
+        for rid in [rid for rid in self._running if rid in ids]:
+            self._running[rid].finish_reason = "aborted"
+            results.append(self._finish(self._running[rid]))
+        return results
+
+    def update_weights(self, named_tensors) -> None:
+        if self._running:
+            raise RuntimeError("update_weights while requests are running would mix two policies "
+                               "in one response; abort or finish them first")
+        self.model.load(named_tensors)
+        self.weight_version += 1
+
+    # ------------------------------------------------------------------ verification
+    @torch.no_grad()
+    def verify(self, requests: list[RolloutRequest], drafts: list[list[int]],
+               params: SamplingParams):
+        """One forward over prompt + prefix + draft per request -> ``spec.Verification``."""
+        slots = [self.model.cache.acquire() for _ in requests]
+        try:
+            rows = [r.prompt_token_ids + r.response_prefix + d for r, d in zip(requests, drafts)]
+            tokens, lengths = _pad(rows)
+            logits = self.model.forward(tokens, torch.tensor(slots), torch.zeros_like(lengths),
+                                        lengths)
+            width = max(len(d) for d in drafts) + 1
+            starts = torch.tensor([len(r.prompt_token_ids) + len(r.response_prefix) - 1
+                                   for r in requests])
+            index = (starts.view(-1, 1) + torch.arange(width)).clamp(max=tokens.shape[1] - 1)
+            target = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+            draft_tokens, draft_lens = _pad([d + [0] for d in drafts])
+            return verify_keyed(target, draft_tokens[:, :-1], draft_lens - 1,
+                                torch.tensor([r.key for r in requests]),
+                                torch.tensor([len(r.response_prefix) for r in requests]), params,
+                                set().union(*(r.eos_token_ids for r in requests)))
+        finally:
+            for slot in slots:
+                self.model.cache.release(slot)
+
+    # ------------------------------------------------------------------ internals
+    def _admit(self, request: RolloutRequest, params: SamplingParams) -> _Running:
+        state = _Running(request, params, self.model.cache.acquire(), list(request.response_prefix))
+        if self.speculative_continuation and request.draft_pool:
+            state.pool = DraftPool(request.prompt_token_ids, request.draft_pool,
+                                   self.spec_min_match, self.spec_max_match)
+        self._running[request.request_id] = state
+        return state
+
+    def _prefill(self, states: list[_Running]) -> None:
+        """One forward over prompt + fixed prefix: the prefix's logprobs and the first new token."""
+        tokens, lengths = _pad([s.context for s in states])
+        logits = self.model.forward(tokens, torch.tensor([s.slot for s in states]),
+                                    torch.zeros_like(lengths), lengths)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        for row, s in enumerate(states):
+            prompt_len = len(s.request.prompt_token_ids)
+            s.logprobs = [float(logprobs[row, prompt_len - 1 + j, tok])
+                          for j, tok in enumerate(s.response)]
+            s.cached = len(s.context)
+        ready = [row for row, s in enumerate(states) if not self._check_done(s)]
+        if ready:
+            last = logits[torch.tensor(ready), (lengths - 1)[ready]].unsqueeze(1)
+            self._emit([states[row] for row in ready], last, [[] for _ in ready])
+
+    def _decode(self, states: list[_Running]) -> None:
+        proposals = []
+        for s in states:
+            budget = s.request.max_new_tokens - len(s.response) - 1
+            k = min(self.spec_k, budget)
+            proposals.append(s.pool.propose(s.context, k) if s.pool is not None and k > 0 else [])
+        rows = [[s.context[-1]] + p for s, p in zip(states, proposals)]
+        tokens, lengths = _pad(rows)
+        starts = torch.tensor([s.cached for s in states])
+        logits = self.model.forward(tokens, torch.tensor([s.slot for s in states]), starts, lengths)
+        for s in states:
+            s.decode_steps += 1
+        self._emit(states, logits, proposals)
+
+    def _emit(self, states: list[_Running], logits: torch.Tensor, proposals: list[list[int]]):
+        """Keyed verification of the proposals (plain decoding when there are none)."""
+        draft, lens = _pad([p + [0] for p in proposals])
+        result = verify_keyed(logits, draft[:, :-1], lens - 1,
+                              torch.tensor([s.request.key for s in states]),
+                              torch.tensor([len(s.response) for s in states]),
+                              self._same_params(states),
+                              set().union(*(s.request.eos_token_ids for s in states)))
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        for row, (s, proposal) in enumerate(zip(states, proposals)):
+            n = int(result.accepted[row])
+            new = proposal[:n] + ([int(result.next_token[row])]
+                                  if int(result.next_token[row]) >= 0 else [])
+            s.proposed += len(proposal)
+            s.accepted += n
+            for j, tok in enumerate(new):
+                if self._check_done(s):
+                    break
+                s.response.append(tok)
+                s.logprobs.append(float(logprobs[row, j, tok]))
+            s.cached = len(s.context) - 1  # the newest token is fed (and cached) next step
+            self._check_done(s)
+
+    @staticmethod
+    def _same_params(states: list[_Running]) -> SamplingParams:
+        params = {s.params for s in states}
+        if len(params) != 1:
+            raise ValueError("one engine step serves one SamplingParams; got several")
+        return params.pop()
+
+    @staticmethod
+    def _check_done(s: _Running) -> bool:
+        eos = set(s.request.eos_token_ids)
+        if s.response and s.response[-1] in eos:
+            s.finish_reason = "eos"
+        elif len(s.response) >= s.request.max_new_tokens:
+            s.finish_reason = "length"
+        return s.finish_reason is not None
+
+    def _finish(self, s: _Running) -> RolloutResult:
+        del self._running[s.request.request_id]
+        self.model.cache.release(s.slot)
+        return RolloutResult(s.request.request_id, s.response, s.logprobs, s.decode_steps,
+                             s.finish_reason, s.proposed, s.accepted)
