@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from dataclasses import dataclass
@@ -399,8 +400,8 @@ def test_padding_never_affects_the_result(data, params, batch, width):
     draft = truth.clone()
     for r in range(batch):
         cut = data.draw(st.integers(0, width))
-        draft[r, cut:] = torch.tensor(data.draw(st.lists(st.integers(0, V - 1), min_size=width - cut,
-                                                         max_size=width - cut)), dtype=torch.int64)
+        tail = st.lists(st.integers(0, V - 1), min_size=width - cut, max_size=width - cut)
+        draft[r, cut:] = torch.tensor(data.draw(tail), dtype=torch.int64)
     eos_ids = data.draw(st.sampled_from([(), (EOS,), (EOS, 3)]))
     pad = torch.arange(width + 1) > lens.view(-1, 1)   # logits rows past each draft's end
     gen = torch.Generator().manual_seed(batch * 100 + width)
@@ -421,6 +422,29 @@ def test_padding_never_affects_the_result(data, params, batch, width):
                              keys[r:r + 1], starts[r:r + 1], params, eos_ids)
         for field in ("accepted", "next_token", "finished"):
             assert getattr(alone, field)[0] == getattr(results[0], field)[r]
+
+
+@pytest.mark.parametrize("rule", [verify_residual, verify_lenient])
+def test_ratio_rules_ignore_padding(rule):
+    """Padded draft ids (kept inside [-1, V)), draft probabilities and logits change nothing."""
+    logits, keys, starts = _problem(4, 5, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    q = torch.softmax(torch.randn(4, 5, V, generator=gen), -1)
+    draft = torch.randint(0, V, (4, 5), generator=gen)
+    lens = torch.tensor([5, 0, 2, 3])
+    past = torch.arange(5) >= lens.view(-1, 1)          # padded draft slots
+    results = []
+    for _ in range(3):
+        d = torch.where(past, torch.randint(-1, V, draft.shape, generator=gen), draft)
+        junk_q = torch.softmax(torch.randn(q.shape, generator=gen), -1)
+        qq = torch.where(past.unsqueeze(-1), junk_q, q)
+        lg = logits.clone()
+        for r, n in enumerate(lens.tolist()):
+            lg[r, n + 1:] = 50.0 * torch.randn(5 - n, V, generator=gen)
+        results.append(rule(lg, qq, d, lens, keys, starts, T1, (EOS,)))
+    for res in results[1:]:
+        for field in ("accepted", "next_token", "finished"):
+            assert torch.equal(getattr(res, field), getattr(results[0], field))
 
 
 def _bad_shapes():
@@ -477,11 +501,15 @@ def _keyed_rule(target_logits, draft_probs, *args, **kwargs):
 RULES = {"keyed": _keyed_rule, "residual": verify_residual, "lenient": verify_lenient}
 
 
+@functools.lru_cache(maxsize=None)
+def _keys(seed, uid):
+    return torch.tensor([sample_key(seed, 4, uid, i) for i in range(N_DRAWS)])
+
+
 def _one_token_experiment(rule, **kwargs):
     """Draft y ~ q by an independent keyed draw, verify it against p; -> (y, Verification)."""
     n, v = N_DRAWS, P.numel()
-    keys = torch.tensor([sample_key(11, 4, "verify", i) for i in range(n)])
-    draft_keys = torch.tensor([sample_key(12, 4, "draft", i) for i in range(n)])
+    keys, draft_keys = _keys(11, "verify"), _keys(12, "draft")
     starts = torch.full((n,), 9)
     y = keyed_sample(Q.log().expand(n, v), draft_keys, starts, T1)
     res = RULES[rule](P_LOGITS.expand(n, 2, v), Q.expand(n, 1, v), y.view(n, 1),
@@ -522,3 +550,17 @@ def test_residual_rejections_follow_the_residual_distribution():
 
 def test_only_the_lenient_rule_is_labelled_inexact():
     assert EXACT_RULES == {"keyed": True, "residual": True, "lenient": False}
+
+
+@pytest.mark.parametrize("rule", [verify_residual, verify_lenient])
+def test_ratio_rules_accept_any_padding_value_and_skip_vocab_padding(rule):
+    """Padding ids outside the vocabulary are ignored, and padded vocabulary columns never drawn."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 3, 8, generator=g)
+    logits[..., 6:] = 40.0  # two padded vocabulary columns with huge logits
+    q = torch.softmax(torch.randn(2, 2, 8, generator=g), -1)
+    draft = torch.tensor([[1, 2], [99, -5]])
+    out = rule(logits, q, draft, torch.tensor([2, 0]), torch.tensor([5, 6]), torch.tensor([0, 0]),
+               SamplingParams(1.0), vocab_size=6)
+    assert int(out.accepted[1]) == 0 and 0 <= int(out.next_token[1]) < 6
+    assert int(out.next_token[0]) < 6

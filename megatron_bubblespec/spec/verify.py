@@ -16,7 +16,8 @@ the whole draft is accepted).
 
 Shapes: ``target_logits`` [B, L+1, V] holds, at index j, the logits that predict response position
 ``start + j`` given the prompt, the response so far and draft[:j]; ``draft`` [B, L] is right-padded,
-``draft_lens`` [B] gives the real lengths (0 = no draft: the result is one plain keyed draw).
+``draft_lens`` [B] gives the real lengths (0 = no draft: the result is one plain keyed draw); the
+padding may hold any value. ``vocab_size`` excludes Megatron's vocabulary padding columns.
 """
 
 from __future__ import annotations
@@ -113,42 +114,55 @@ def verify_keyed(target_logits: torch.Tensor, draft: torch.Tensor, draft_lens: t
     return _settle(draws[:, :-1] == draft, draws, draft, draft_lens, eos_token_ids)
 
 
-def target_probs(target_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """p = softmax(logits / T) after top-k/top-p, float64 [..., V] (the distribution keyed draws follow)."""
+def target_probs(target_logits: torch.Tensor, params: SamplingParams,
+                 vocab_size: int | None = None) -> torch.Tensor:
+    """p = softmax(logits / T) after top-k/top-p and without vocabulary padding, float64 [..., V].
+
+    The truncation mask is built exactly as the keyed sampler builds it (same dtype), so both
+    rules see the same support.
+    """
     if params.greedy:
         raise ValueError("the residual and lenient rules need temperature > 0 (greedy is a point "
                          "mass; use the keyed rule)")
-    scaled = target_logits.double() / params.temperature
+    dtype = torch.float64 if target_logits.dtype == torch.float64 else torch.float32
+    scaled = target_logits.to(dtype) / params.temperature
+    if vocab_size is not None and vocab_size < scaled.shape[-1]:
+        scaled[..., vocab_size:] = float("-inf")
     if params.truncates:
         flat = scaled.reshape(-1, scaled.shape[-1])
         scaled = scaled.masked_fill(~truncation_mask(flat, params).view_as(scaled), float("-inf"))
-    return torch.softmax(scaled, dim=-1)
+    return torch.softmax(scaled.double(), dim=-1)
 
 
-def _ratio_test(target_logits, draft_probs, draft, draft_lens, keys, start_positions, params):
+def _ratio_test(target_logits, draft_probs, draft, draft_lens, keys, start_positions, params,
+                vocab_size):
     _check_shapes(target_logits, draft, draft_lens)
     if draft_probs.shape != draft.shape + target_logits.shape[-1:]:
         raise ValueError(f"draft_probs must be [B, L, V] = {tuple(draft.shape) + target_logits.shape[-1:]}, "
                          f"got {tuple(draft_probs.shape)}")
     b, width1, vocab = target_logits.shape
-    p = target_probs(target_logits, params)
+    p = target_probs(target_logits, params, vocab_size)
     q = draft_probs.double()
-    y = draft.clamp(min=0).unsqueeze(-1)
+    padding = torch.arange(draft.shape[1], device=draft.device) >= draft_lens.reshape(-1, 1)
+    draft = draft.masked_fill(padding, 0)  # any padding value is allowed, as for verify_keyed
+    y = draft.unsqueeze(-1)
     ratio = p[:, :-1].gather(-1, y).squeeze(-1) / q.gather(-1, y).squeeze(-1).clamp_min(1e-300)
     pos = _positions(start_positions, width1 - 1).reshape(-1)
     flat_keys = keys.reshape(-1, 1).expand(b, width1 - 1).reshape(-1)
     u = uniform_at(flat_keys, pos, draft.reshape(-1), STREAM_ACCEPT)
     bonus = keyed_sample(target_logits.reshape(b * width1, vocab),
                          keys.reshape(-1, 1).expand(b, width1).reshape(-1),
-                         _positions(start_positions, width1).reshape(-1), params).view(b, width1)
+                         _positions(start_positions, width1).reshape(-1), params,
+                         vocab_size=vocab_size).view(b, width1)
     return p, q, ratio, u.double().view(b, width1 - 1), bonus
 
 
 def verify_residual(target_logits, draft_probs, draft, draft_lens, keys, start_positions,
-                    params: SamplingParams, eos_token_ids: Iterable[int] = ()) -> Verification:
+                    params: SamplingParams, eos_token_ids: Iterable[int] = (),
+                    vocab_size: int | None = None) -> Verification:
     """Exact standard speculative sampling (needs q = ``draft_probs`` [B, L, V]); ablation only."""
     p, q, ratio, u, bonus = _ratio_test(target_logits, draft_probs, draft, draft_lens, keys,
-                                        start_positions, params)
+                                        start_positions, params, vocab_size)
     b, width1, vocab = target_logits.shape
     residual = (p[:, :-1] - q).clamp_min(0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:, :-1])
@@ -164,11 +178,11 @@ def verify_residual(target_logits, draft_probs, draft, draft_lens, keys, start_p
 
 def verify_lenient(target_logits, draft_probs, draft, draft_lens, keys, start_positions,
                    params: SamplingParams, eos_token_ids: Iterable[int] = (),
-                   lenience: float = 1.0) -> Verification:
+                   lenience: float = 1.0, vocab_size: int | None = None) -> Verification:
     """SPEC-RL's lenient rule (INEXACT for lenience > 1, and never exact: it redraws from p rather
     than from the residual); ablation only."""
     if lenience < 1.0:
         raise ValueError(f"lenience must be >= 1, got {lenience}")
     _, _, ratio, u, bonus = _ratio_test(target_logits, draft_probs, draft, draft_lens, keys,
-                                        start_positions, params)
+                                        start_positions, params, vocab_size)
     return _settle(u <= lenience * ratio, bonus, draft, draft_lens, eos_token_ids)

