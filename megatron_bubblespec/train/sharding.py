@@ -60,3 +60,20 @@ def load_full_state_dict(model, full: dict[str, torch.Tensor], tp_rank: int, tp_
                 raise ValueError(f"{name}: shard shape {tuple(shard.shape)} != parameter shape "
                                  f"{tuple(param.shape)} (tp {tp_rank}/{tp_size})")
             param.copy_(shard)
+
+
+def has_fused_norms(model) -> bool:
+    """Transformer Engine's spec fuses the pre-attention/pre-MLP norms into the next linear."""
+    return any(name.endswith("linear_qkv.layer_norm_weight") for name, _ in model.named_parameters())
+
+
+def load_hf_weights(model, spec, hf_tensors: dict[str, torch.Tensor]) -> None:
+    """HF Llama/Qwen2 tensors -> full Megatron tensors -> this rank's shards, in place."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_bubblespec.train.convert import hf_to_megatron
+
+    padded = model.vocab_size
+    full = hf_to_megatron(hf_tensors, spec, padded, fused_norms=has_fused_norms(model))
+    load_full_state_dict(model, full, ps.get_tensor_model_parallel_rank(),
+                         ps.get_tensor_model_parallel_world_size())

@@ -1,0 +1,72 @@
+"""ModelSpec (from an HF config) -> megatron-core GPTModel for this rank's TP/PP piece.
+
+Llama/Qwen2 family: RMSNorm, SwiGLU (fused gate/up ``linear_fc1``), RoPE (non-interleaved, as HF
+stores the weights), grouped-query attention, optional QKV bias, tied or untied embeddings. The
+local (non-TE) layer spec on CPU; Transformer Engine's spec when TE is importable and a GPU exists.
+The vocabulary is padded to a multiple of ``vocab_multiple x TP`` as Megatron-LM does; padded
+logits are excluded by every sampler (``vocab_size`` argument of the keyed sampler).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_bubblespec.models.architecture import ModelSpec
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel: int, vocab_multiple: int = 128) -> int:
+    multiple = vocab_multiple * tensor_parallel
+    return -(-vocab_size // multiple) * multiple
+
+
+def _transformer_engine_available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def transformer_config(spec: ModelSpec, *, params_dtype: torch.dtype = torch.float32,
+                       **overrides):
+    """The TransformerConfig of ``spec`` for this process (TP/PP sizes from parallel_state)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_bubblespec.distributed.world import megatron_config_overrides
+
+    fields = dict(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_heads, num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim, ffn_hidden_size=spec.intermediate_size,
+        normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
+        params_dtype=params_dtype, pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
+        **megatron_config_overrides())
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def build_gpt_model(spec: ModelSpec, *, params_dtype: torch.dtype = torch.float32,
+                    vocab_multiple: int = 128, **config_overrides):
+    """A GPTModel holding this rank's shard (call inside ``megatron_cpu_mode()`` on CPU)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    config = transformer_config(spec, params_dtype=params_dtype, **config_overrides)
+    if _transformer_engine_available():
+        layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    else:
+        layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+    return GPTModel(
+        config=config, transformer_layer_spec=layer_spec,
+        vocab_size=padded_vocab_size(spec.vocab_size, ps.get_tensor_model_parallel_world_size(),
+                                     vocab_multiple),
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope", rotary_base=int(spec.rope_theta))

@@ -1,0 +1,141 @@
+"""Weight resharding: Megatron TP/PP shards -> gather TP -> broadcast PP -> convert to HF -> buckets.
+
+Every rank of a model replica ends with the full HF-layout tensors, streamed in buckets of at most
+``bucket_bytes`` so a large model never sits twice in memory. The conversion metadata (global
+name, full shape, dtype, TP partitioning of every tensor of every stage) is computed once and
+asserted identical on all ranks of the replica before the first transfer: a rank with a
+different model or layout fails loudly instead of corrupting weights.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_bubblespec.models.architecture import ModelSpec
+from megatron_bubblespec.train.convert import megatron_to_hf
+from megatron_bubblespec.train.sharding import global_layer_names
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    stage: int
+    name: str                 # Megatron name with global layer numbers
+    local_name: str
+    full_shape: tuple[int, ...]
+    dtype: str
+    partition_dim: int        # -1 = not tensor-parallel
+    partition_stride: int
+
+
+@dataclass
+class ReshardStats:
+    seconds: float = 0.0
+    bytes: int = 0
+    tensors: int = 0
+    buckets: int = 0
+
+
+def _local_meta(model, stage: int, tp_size: int) -> list[TensorMeta]:
+    names = global_layer_names(model)
+    metas = []
+    for local, param in model.named_parameters():
+        tp = getattr(param, "tensor_model_parallel", False) and tp_size > 1
+        dim = param.partition_dim if tp else -1
+        shape = list(param.shape)
+        if tp:
+            shape[dim] *= tp_size
+        metas.append(TensorMeta(stage, names[local], local, tuple(shape), str(param.dtype), dim,
+                                getattr(param, "partition_stride", 1) if tp else 1))
+    return metas
+
+
+class Resharder:
+    """Streams the replica's full HF tensors on every one of its ranks."""
+
+    def __init__(self, model, spec: ModelSpec, bucket_bytes: int = 256 << 20):
+        from megatron.core import parallel_state as ps
+
+        self.model, self.spec, self.bucket_bytes = model, spec, bucket_bytes
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.tp_size = ps.get_tensor_model_parallel_world_size()
+        self.stage = ps.get_pipeline_model_parallel_rank()
+        self.pp_ranks = dist.get_process_group_ranks(self.pp_group) if dist.is_initialized() else [0]
+        self.params = dict(model.named_parameters())
+        self.metas = self._agreed_metadata()
+        self.last = ReshardStats()
+
+    def _agreed_metadata(self) -> list[TensorMeta]:
+        mine = _local_meta(self.model, self.stage, self.tp_size)
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return mine
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (self.stage, mine))
+        by_stage: dict[int, list[TensorMeta]] = {}
+        for rank, (stage, metas) in enumerate(everyone):
+            if by_stage.setdefault(stage, metas) != metas:
+                raise RuntimeError(
+                    f"reshard metadata of rank {rank} (pipeline stage {stage}) differs from another "
+                    "rank of the same stage: every replica must build the same model and layout")
+        for metas in by_stage.values():
+            for meta in metas:
+                megatron_to_hf(meta.name, torch.empty(meta.full_shape), self.spec)  # maps or raises
+        return [m for stage in sorted(by_stage) for m in by_stage[stage]]
+
+    def _gather_tp(self, meta: TensorMeta) -> torch.Tensor:
+        local = self.params[meta.local_name].detach()
+        if meta.partition_dim < 0:
+            return local
+        shards = [torch.empty_like(local) for _ in range(self.tp_size)]
+        dist.all_gather(shards, local.contiguous(), group=self.tp_group)
+        pieces = [torch.chunk(s, meta.partition_stride, dim=meta.partition_dim) for s in shards]
+        return torch.cat([pieces[r][k] for k in range(meta.partition_stride)
+                          for r in range(self.tp_size)], dim=meta.partition_dim)
+
+    def _full(self, meta: TensorMeta) -> torch.Tensor:
+        if meta.stage == self.stage:
+            tensor = self._gather_tp(meta)
+        else:
+            tensor = torch.empty(meta.full_shape, dtype=getattr(torch, meta.dtype.split(".")[-1]),
+                                 device=next(iter(self.params.values())).device)
+        if len(self.pp_ranks) > 1:
+            dist.broadcast(tensor, src=self.pp_ranks[meta.stage], group=self.pp_group)
+        return tensor
+
+    def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Lists of (HF name, full tensor), each at most ``bucket_bytes`` (or one tensor)."""
+        start, stats = time.perf_counter(), ReshardStats()
+        bucket, size = [], 0
+        with torch.no_grad():
+            for meta in self.metas:
+                if meta.name == "output_layer.weight" and self.spec.tie_word_embeddings:
+                    continue  # the tied copy: HF has no lm_head
+                for hf_name, tensor in megatron_to_hf(meta.name, self._full(meta), self.spec):
+                    nbytes = tensor.numel() * tensor.element_size()
+                    if bucket and size + nbytes > self.bucket_bytes:
+                        stats.buckets += 1
+                        yield bucket
+                        bucket, size = [], 0
+                    bucket.append((hf_name, tensor.contiguous()))
+                    size += nbytes
+                    stats.bytes += nbytes
+                    stats.tensors += 1
+        if bucket:
+            stats.buckets += 1
+            yield bucket
+        stats.seconds = time.perf_counter() - start
+        self.last = stats
+
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for bucket in self.buckets():
+            yield from bucket
+
+    def push(self, engine) -> ReshardStats:
+        """Stream every bucket into ``engine.update_weights`` (in-process transport)."""
+        engine.update_weights(self.named_tensors())
+        return self.last
