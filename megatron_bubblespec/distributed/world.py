@@ -137,3 +137,8 @@ def destroy_distributed() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def default_store():
+    """The key-value store of the default process group (TCP store under torchrun/Slurm/launcher)."""
+    return dist.distributed_c10d._get_default_store()

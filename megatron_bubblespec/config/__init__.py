@@ -1,0 +1,6 @@
+"""Configuration: YAML + dotted overrides -> validated typed Config."""
+
+from megatron_bubblespec.config.load import ConfigError, load_config, to_yaml, validate
+from megatron_bubblespec.config.schema import Config
+
+__all__ = ["Config", "ConfigError", "load_config", "to_yaml", "validate"]

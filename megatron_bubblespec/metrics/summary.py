@@ -1,0 +1,236 @@
+"""Run summary: step records (optionally a plain-run baseline) -> rich table + one 4-panel PNG."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator, PercentFormatter
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from megatron_bubblespec.metrics.formatting import (count, number, percent, scientific, seconds,
+                                                     value)
+
+Record = Mapping[str, object]
+
+
+def _finite(xs) -> list[float]:
+    return [x for x in xs if not math.isnan(x)]
+
+
+def _mean(records: Sequence[Record], key: str) -> float:
+    xs = _finite(value(r, key) for r in records)
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def _total(records: Sequence[Record], key: str) -> float:
+    xs = _finite(value(r, key) for r in records)
+    return sum(xs) if xs else math.nan
+
+
+def _pooled(records: Sequence[Record], num: str, den: str) -> float:
+    """sum(num) / sum(den) over the steps reporting both."""
+    top = bottom = 0.0
+    for r in records:
+        n, d = value(r, num), value(r, den)
+        if not (math.isnan(n) or math.isnan(d)):
+            top, bottom = top + n, bottom + d
+    return top / bottom if bottom else math.nan
+
+
+def _weighted_mean(records: Sequence[Record], key: str, weight: str) -> float:
+    """sum(key * weight) / sum(weight) over the steps reporting both."""
+    top = bottom = 0.0
+    for r in records:
+        x, w = value(r, key), value(r, weight)
+        if not (math.isnan(x) or math.isnan(w)):
+            top, bottom = top + x * w, bottom + w
+    return top / bottom if bottom else math.nan
+
+
+def run_totals(records: Sequence[Record]) -> dict[str, float]:
+    """Whole-run values: sums of counts and times, ratios pooled over steps, means of the rest.
+
+    accept rate = total accepted / total drafted tokens; decode steps saved = 1 - total decode
+    steps / total plain decode steps; bubble ratio = mean of the step ratios weighted by rollout
+    time (= total idle / (ranks * total rollout time)); utilization = total drafting / total idle.
+    """
+    return {
+        "train/reward_mean": _mean(records, "train/reward_mean"),
+        "train/loss": _mean(records, "train/loss"),
+        "rollout/time_s": _total(records, "rollout/time_s"),
+        "rollout/decode_steps": _total(records, "rollout/decode_steps"),
+        "spec/drafted_tokens": _total(records, "spec/drafted_tokens"),
+        "spec/accepted_tokens": _total(records, "spec/accepted_tokens"),
+        "spec/accept_rate": _pooled(records, "spec/accepted_tokens", "spec/drafted_tokens"),
+        "spec/decode_steps_saved_frac":
+            1.0 - _pooled(records, "rollout/decode_steps", "rollout/decode_steps_plain"),
+        "bubble/ratio": _weighted_mean(records, "bubble/ratio", "rollout/time_s"),
+        "bubble/utilization": _pooled(records, "bubble/drafting_s", "bubble/idle_s"),
+        "policy/drift_kl": _mean(records, "policy/drift_kl"),
+    }
+
+
+# (header, metric, formatter) of the summary table, in column order.
+COLUMNS = (
+    ("reward", "train/reward_mean", number),
+    ("loss", "train/loss", number),
+    ("rollout", "rollout/time_s", seconds),
+    ("decode\nsteps", "rollout/decode_steps", count),
+    ("drafts\ntok", "spec/drafted_tokens", count),
+    ("accept\ntok", "spec/accepted_tokens", count),
+    ("accept\nrate", "spec/accept_rate", percent),
+    ("steps\nsaved", "spec/decode_steps_saved_frac", percent),
+    ("bubble", "bubble/ratio", percent),
+    ("util", "bubble/utilization", percent),
+    ("drift\nKL", "policy/drift_kl", scientific),
+)
+
+
+def summary_table(records: Sequence[Record]) -> Table:
+    """One row per step and a last row of whole-run values (see :func:`run_totals`)."""
+    table = Table(title=f"BubbleSpec run summary ({len(records)} steps)",
+                  caption="drafts / accept tok: drafted / accepted tokens; bubble: idle share of "
+                          "rank rollout time; util: drafting share of the bubble",
+                  box=box.SIMPLE_HEAD, padding=0, show_edge=False)
+    table.add_column("step", justify="right", style="bold", no_wrap=True)
+    for header, _, _ in COLUMNS:
+        table.add_column(header, justify="right", no_wrap=True)
+    for r in records:
+        table.add_row(str(r.get("step", "?")), *(fmt(value(r, key)) for _, key, fmt in COLUMNS))
+    totals = run_totals(records)
+    table.add_section()
+    table.add_row("all", *(fmt(totals[key]) for _, key, fmt in COLUMNS), style="bold")
+    return table
+
+
+def print_summary(records: Sequence[Record], console: Console | None = None) -> None:
+    """Print :func:`summary_table` of ``records`` to ``console`` (a new stdout Console if None)."""
+    (console or Console()).print(summary_table(records))
+
+
+def _series(records: Sequence[Record], key: str) -> tuple[list[float], list[float]]:
+    return [value(r, "step") for r in records], [value(r, key) for r in records]
+
+
+def _no_data(ax, what: str) -> None:
+    ax.text(0.5, 0.5, f"no {what} in this run", transform=ax.transAxes,
+            ha="center", va="center", color="grey")
+
+
+def _legend(*axes) -> None:
+    """One legend for ``axes`` (a panel and its twins), on the topmost so nothing hides it."""
+    handles, labels = [], []
+    for ax in axes:
+        h, l = ax.get_legend_handles_labels()
+        handles, labels = handles + h, labels + l
+    if handles:
+        axes[-1].legend(handles, labels, loc="upper left", fontsize=9, framealpha=0.9)
+
+
+def _headroom(ax, values: Sequence[float], fraction: float = 0.35) -> None:
+    """y from 0 with space above the data for the legend."""
+    top = max(_finite(values), default=0.0)
+    ax.set_ylim(0, (top or 1.0) * (1 + fraction))
+
+
+def _run_value(fraction: float, what: str) -> str:
+    """' (run: 12.3% <what>)' for a panel title, '' when the run has no such value."""
+    return "" if math.isnan(fraction) else f" (run: {percent(fraction)} {what})"
+
+
+def plot_run(records: Sequence[Record], path_png: str | Path,
+             baseline: Sequence[Record] | None = None) -> Path:
+    """Write one PNG of four per-step panels: bubble time, acceptance, decode steps, policy drift.
+
+    ``baseline``: the step records of the plain synchronous run (BubbleSpec off) on the same seed;
+    its decode steps are drawn next to this run's.
+    """
+    if not records:
+        raise ValueError("plot_run needs at least one step record")
+    totals = run_totals(records)
+    fig = Figure(figsize=(13, 9), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    (ax_bub, ax_acc), (ax_dec, ax_kl) = fig.subplots(2, 2, sharex=True)
+    fig.suptitle(f"BubbleSpec run: {len(records)} steps", fontsize=14, fontweight="bold")
+
+    steps, idle = _series(records, "bubble/idle_s")
+    _, drafting = _series(records, "bubble/drafting_s")
+    ax_bub.set_title(f"Bubble time per step (bubble {percent(totals['bubble/ratio'])} of rollout, "
+                     f"{percent(totals['bubble/utilization'])} used for drafting)")
+    if _finite(idle):
+        ax_bub.bar(steps, idle, width=0.8, color="#f4a261", label="idle at the barrier")
+        ax_bub.bar(steps, drafting, width=0.5, color="#2a6f97", label="drafting in the bubble")
+    else:
+        _no_data(ax_bub, "bubble time")
+    _headroom(ax_bub, idle)
+    ax_bub.set_ylabel("seconds, summed over ranks")
+    _legend(ax_bub)
+
+    _, accept = _series(records, "spec/accept_rate")
+    _, prefix = _series(records, "spec/accepted_prefix_mean")
+    ax_acc.set_title("Draft acceptance" + _run_value(totals["spec/accept_rate"],
+                                                     "of drafted tokens"))
+    ax_prefix = ax_acc.twinx()
+    if _finite(accept) or _finite(prefix):
+        ax_acc.plot(steps, accept, "o-", color="#2a9d8f", label="accept rate (left)")
+        ax_prefix.plot(steps, prefix, "s--", color="#6d597a", label="accepted prefix mean (right)")
+    else:
+        _no_data(ax_acc, "drafts")
+    ax_acc.set_ylim(0, 1.4)
+    ax_acc.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])
+    ax_acc.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax_acc.set_ylabel("accepted / drafted tokens")
+    ax_prefix.set_ylabel("accepted prefix per drafted sample (tokens)")
+    _headroom(ax_prefix, prefix, 0.45)
+    _legend(ax_acc, ax_prefix)
+
+    _, saved = _series(records, "spec/decode_steps_saved_frac")
+    ax_dec.set_title("Decode steps saved by drafts"
+                     + _run_value(totals["spec/decode_steps_saved_frac"], "saved"))
+    ax_steps = ax_dec.twinx()
+    if _finite(saved):
+        ax_dec.bar(steps, saved, width=0.6, color="#8ecae6", label="saved fraction (left)")
+    else:
+        _no_data(ax_dec, "decode-step savings")
+    runs = [(records, "this run", "o-", "#023047")]
+    if baseline is not None:
+        runs.append((baseline, "plain run", "s--", "#9b2226"))
+    decode_steps = []
+    for run, name, style, color in runs:
+        xs, ys = _series(run, "rollout/decode_steps")
+        ax_steps.plot(xs, ys, style, color=color, label=f"decode steps, {name} (right)")
+        decode_steps += ys
+    ax_dec.yaxis.set_major_formatter(PercentFormatter(1.0))
+    _headroom(ax_dec, saved + [0.1])
+    ax_dec.set_ylabel("1 - decode steps / plain decode steps")
+    ax_steps.set_ylabel("decode steps (engine forward passes)")
+    _headroom(ax_steps, decode_steps)
+    _legend(ax_dec, ax_steps)
+
+    _, drift = _series(records, "policy/drift_kl")
+    ax_kl.set_title("Policy drift between consecutive steps")
+    if _finite(drift):
+        ax_kl.plot(steps, drift, "o-", color="#bc4749",
+                   label="KL between the policies of steps t-1 and t")
+        _headroom(ax_kl, drift)
+        _legend(ax_kl)
+    else:
+        _no_data(ax_kl, "policy drift")
+    ax_kl.set_ylabel("mean KL on the rollout tokens")
+
+    for ax in (ax_dec, ax_kl):
+        ax.set_xlabel("step")
+    for ax in (ax_bub, ax_acc, ax_dec, ax_kl):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelbottom=True)
+    path = Path(path_png)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path

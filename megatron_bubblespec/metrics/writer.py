@@ -1,0 +1,97 @@
+"""Metrics writer: step records -> run_dir/metrics.jsonl (one JSON line per step) + TensorBoard.
+
+The JSONL file is the source of truth: numbers only, one flushed line per step, NaN, infinities and
+None written as JSON null and read back as NaN. TensorBoard scalars (run_dir/tensorboard) are a view
+of the same records, written when torch's SummaryWriter can be imported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Mapping
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+
+
+def _number(key: str, value) -> int | float | None:
+    """A JSON-safe number for ``value``: int or finite float, None for missing / NaN / inf."""
+    if value is None:
+        return None
+    if hasattr(value, "item"):  # 0-d torch / numpy values
+        value = value.item()
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    raise TypeError(f"metric {key!r} is {type(value).__name__} {value!r}; metrics must be numbers")
+
+
+class MetricsWriter:
+    """Appends step records to ``run_dir/metrics.jsonl`` and, optionally, to TensorBoard."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / METRICS_FILE
+        self._file = self.path.open("a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as err:
+                warnings.warn(f"TensorBoard logging is off ({err}); install the `tensorboard` "
+                              f"package or pass tensorboard=False", stacklevel=2)
+            else:
+                self._tb = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR))
+
+    def write(self, record: Mapping[str, object]) -> None:
+        """Write one step record; it must hold an integer "step"."""
+        step = record.get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise ValueError(f"a step record needs an integer 'step', got {step!r}")
+        clean = {key: _number(key, value) for key, value in record.items()}
+        self._file.write(json.dumps(clean, allow_nan=False) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in clean.items():
+                if key != "step" and value is not None:
+                    self._tb.add_scalar(key, value, global_step=step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The step records of ``run_dir/metrics.jsonl`` in file order; null values come back as NaN."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"no {METRICS_FILE} in {run_dir}; is it the run directory of a run "
+                                f"that logged metrics?")
+    records = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                raw = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: not a JSON line ({err})") from err
+            records.append({k: math.nan if v is None else v for k, v in raw.items()})
+    return records

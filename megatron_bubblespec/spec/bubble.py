@@ -1,0 +1,107 @@
+"""The DP barrier with bubble drafting: finished rank -> arrive at a store counter -> draft next-step
+samples (claimed in chunks from a shared cursor) one engine step at a time -> abort when all arrived.
+
+The counter and the cursor live in the torch.distributed store, which works for gloo and NCCL
+alike and costs one round trip per check. Fast ranks arrive first and claim more chunks; no sample
+is claimed twice. When the last rank arrives it stamps the closing time, so each drafting rank can
+measure its overshoot (time spent drafting after the barrier had in fact closed, at most one engine
+step). A rank that never arrives makes the others fail after ``timeout_s`` with a message naming
+the step and how many ranks had arrived, never a silent hang.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from megatron_bubblespec.rollout.base import RolloutEngine, RolloutRequest, RolloutResult
+from megatron_bubblespec.sampling import SamplingParams
+from megatron_bubblespec.spec.drafts import Draft
+
+
+@dataclass
+class BubbleStats:
+    idle_s: float = 0.0          # from my arrival to the barrier's close (as I observed it)
+    drafting_s: float = 0.0      # inside engine steps while waiting
+    overshoot_s: float = 0.0     # drafting past the true close (last arrival)
+    claimed_samples: int = 0
+    drafted_samples: int = 0     # with at least one token
+    drafted_tokens: int = 0
+    engine_steps: int = 0
+    last_to_arrive: bool = False
+
+
+class BubbleDrafter:
+    """Arrive, draft while others are still generating, return the partial drafts."""
+
+    def __init__(self, store, dp_size: int, engine: RolloutEngine, params: SamplingParams, *,
+                 chunk: int = 2, max_in_flight: int = 8, timeout_s: float = 600.0,
+                 poll_s: float = 0.002, namespace: str = "bubblespec"):
+        self.store, self.dp_size, self.engine, self.params = store, dp_size, engine, params
+        self.chunk, self.max_in_flight = chunk, max(max_in_flight, chunk)
+        self.timeout_s, self.poll_s, self.namespace = timeout_s, poll_s, namespace
+
+    def _key(self, what: str, step: int) -> str:
+        return f"{self.namespace}/{what}/{step}"
+
+    def arrive_and_draft(self, step: int, num_next_samples: int,
+                         next_request: Callable[[int], RolloutRequest] | None,
+                         weight_version: int) -> tuple[list[Draft], BubbleStats]:
+        """Arrive at step ``step``'s barrier; draft step+1's samples (by global index) until it closes.
+
+        ``next_request(i)`` builds the drafting request of global sample ``i`` of step+1 (its key
+        and prompt, ``max_new_tokens`` = the draft budget); None disables drafting (plain barrier).
+        """
+        stats, drafts = BubbleStats(), []
+        arrive, cursor, closed = (self._key(k, step) for k in ("arrive", "cursor", "closed"))
+        arrived_at = time.perf_counter()
+        if self.store.add(arrive, 1) >= self.dp_size:
+            self.store.set(closed, repr(time.time()))
+            stats.last_to_arrive = True
+            return drafts, stats
+        in_flight: dict[str, tuple[int, int]] = {}  # request id -> (sample index, key)
+        exhausted = next_request is None or num_next_samples == 0
+        while self.store.add(arrive, 0) < self.dp_size:
+            if time.perf_counter() - arrived_at > self.timeout_s:
+                raise TimeoutError(
+                    f"step {step}: only {self.store.add(arrive, 0)} of {self.dp_size} data-parallel "
+                    f"ranks reached the barrier within {self.timeout_s:.0f} s; a rank died or hangs "
+                    "(see its log); raise spec.barrier_timeout_s if steps are legitimately slower")
+            while not exhausted and len(in_flight) < self.max_in_flight:
+                end = self.store.add(cursor, self.chunk)
+                start = end - self.chunk
+                if start >= num_next_samples:
+                    exhausted = True
+                    break
+                claimed = [next_request(i) for i in range(start, min(end, num_next_samples))]
+                stats.claimed_samples += len(claimed)
+                in_flight.update({r.request_id: (i, r.key) for r, i in zip(claimed, range(start, end))})
+                self.engine.add(claimed, self.params)
+            if not self.engine.has_unfinished():
+                time.sleep(self.poll_s)  # nothing left to draft: plain waiting
+                continue
+            began = time.perf_counter()
+            finished = self.engine.step()
+            stats.drafting_s += time.perf_counter() - began
+            stats.engine_steps += 1
+            drafts += self._collect(finished, in_flight, weight_version)
+        closed_seen = time.time()
+        stats.idle_s = time.perf_counter() - arrived_at
+        if self.engine.has_unfinished():
+            drafts += self._collect(self.engine.abort(), in_flight, weight_version)
+        closed_at = float(self.store.get(closed).decode())
+        stats.overshoot_s = max(0.0, closed_seen - closed_at) if stats.engine_steps else 0.0
+        stats.drafted_samples = sum(1 for d in drafts if d.tokens)
+        stats.drafted_tokens = sum(len(d.tokens) for d in drafts)
+        return [d for d in drafts if d.tokens], stats
+
+    @staticmethod
+    def _collect(results: list[RolloutResult], in_flight: dict[str, tuple[int, int]],
+                 weight_version: int) -> list[Draft]:
+        out = []
+        for r in results:
+            claimed = in_flight.pop(r.request_id, None)
+            if claimed is not None:
+                out.append(Draft(claimed[0], claimed[1], weight_version, tuple(r.token_ids)))
+        return out

@@ -1,0 +1,77 @@
+"""The DP barrier with bubble drafting over real gloo ranks and the real store: drafting happens only
+inside the bubble, samples are claimed once, partial drafts come back, a missing rank times out."""
+
+import time
+
+import pytest
+
+from megatron_bubblespec.distributed import destroy_distributed, init_process_group
+from megatron_bubblespec.distributed.launch import launch_local
+from megatron_bubblespec.distributed.world import default_store
+from megatron_bubblespec.models.architecture import make_tiny_checkpoint
+from megatron_bubblespec.rollout.base import RolloutRequest
+from megatron_bubblespec.rollout.reference import ReferenceEngine
+from megatron_bubblespec.sampling import SamplingParams, sample_key
+from megatron_bubblespec.spec.bubble import BubbleDrafter
+
+NEXT_SAMPLES, DRAFT_TOKENS = 24, 48
+
+
+def _next_request(i):
+    return RolloutRequest(f"draft-{i}", [5 + i % 7, 9, 11], sample_key(1, 8, i // 4, i % 4), DRAFT_TOKENS)
+
+
+def _barrier_worker(path, delays, timeout_s):
+    world = init_process_group(backend="gloo", timeout_s=60)
+    engine = ReferenceEngine(path)
+    drafter = BubbleDrafter(default_store(), world.world_size, engine, SamplingParams(1.0),
+                            chunk=2, max_in_flight=4, timeout_s=timeout_s)
+    if delays[world.rank] is None:  # a rank that hangs: never reaches the barrier
+        time.sleep(3.0)
+        return None, None, None
+    time.sleep(delays[world.rank])  # the rank's own rollout
+    try:
+        drafts, stats = drafter.arrive_and_draft(7, NEXT_SAMPLES, _next_request, weight_version=7)
+        out = (drafts, stats, None)
+    except TimeoutError as err:
+        out = (None, None, str(err))
+    destroy_distributed()
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama")
+
+
+def test_fast_ranks_draft_only_inside_the_bubble(tiny):
+    results = launch_local(_barrier_worker, 3, tiny, [0.0, 0.3, 2.5], 120.0)
+    (d0, s0, _), (d1, s1, _), (d2, s2, _) = results
+    assert s2.last_to_arrive and not d2 and s2.drafting_s == 0.0
+    claimed = [d.sample_index for d in d0 + d1]
+    assert len(claimed) == len(set(claimed)) and claimed  # nothing drafted twice, something drafted
+    for stats in (s0, s1):
+        step_time = stats.drafting_s / max(stats.engine_steps, 1)
+        assert stats.drafting_s <= stats.idle_s + step_time   # only while waiting
+        assert stats.overshoot_s <= 5 * step_time + 0.05       # stopped about one step after closing
+    assert s0.idle_s > s1.idle_s  # the first to arrive waited longest...
+    assert s0.claimed_samples >= s1.claimed_samples  # ...and claimed at least as much
+    # Partial drafts are kept: some draft is shorter than the budget (aborted mid-way).
+    assert any(len(d.tokens) < DRAFT_TOKENS for d in d0 + d1)
+    for d in d0 + d1:
+        assert d.key == _next_request(d.sample_index).key and d.weight_version == 7
+
+
+def test_drafts_are_prefixes_of_the_plain_generation(tiny):
+    results = launch_local(_barrier_worker, 2, tiny, [0.0, 1.5], 120.0)
+    drafts = results[0][0]
+    full = ReferenceEngine(tiny).generate([_next_request(d.sample_index) for d in drafts],
+                                          SamplingParams(1.0))
+    for d, f in zip(drafts, full):
+        assert list(d.tokens) == f.token_ids[:len(d.tokens)]
+
+
+def test_a_rank_that_never_arrives_times_out_with_a_clear_message(tiny):
+    results = launch_local(_barrier_worker, 2, tiny, [0.0, None], 1.5)
+    message = results[0][2]
+    assert message is not None and "only 1 of 2 data-parallel ranks" in message and "step 7" in message

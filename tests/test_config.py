@@ -1,0 +1,53 @@
+"""Config: YAML + dotted overrides onto the typed schema; every error names the key."""
+
+import pytest
+
+from megatron_bubblespec.config import ConfigError, load_config
+
+
+def test_defaults_and_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  temperature: 0.7\nspec:\n  max_draft_tokens: 32\n")
+    cfg = load_config(path, ["spec.enabled=false", "rollout.top_p=0.9"])
+    assert (cfg.rollout.temperature, cfg.spec.max_draft_tokens) == (0.7, 32)
+    assert cfg.spec.enabled is False and cfg.rollout.top_p == 0.9
+    assert cfg.config_path == str(path)
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (["spec.enable=false"], "spec.enable"),
+    (["rollout.temperature=hot"], "rollout.temperature"),
+    (["rollout.engine=sglang"], "rollout.engine"),
+    (["rollout.top_p=1.5"], "rollout.top_p"),
+    (["rollout.samples_per_prompt=1"], "rollout.samples_per_prompt"),
+    (["parallel.tensor=2"], "parallel.tensor x parallel.pipeline x parallel.data"),
+    (["rollout.prompts_per_step=3"], "rollout.prompts_per_step"),
+    (["spec.rule=lenient"], "spec.rule"),
+    (["noequals"], "key=value"),
+    (["bogus.key=1"], "bogus"),
+])
+def test_errors_name_the_key(overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
+        load_config(None, overrides)
+
+
+def test_unknown_key_in_yaml_names_file_and_key(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("train:\n  learning_rate: 1.0\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml.*train\.learning_rate"):
+        load_config(path)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("no/such/config.yaml")
+
+
+@pytest.mark.parametrize("name", ["tiny.yaml", "default.yaml"])
+def test_shipped_configs_load(name):
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "configs" / name
+    if not path.exists():
+        pytest.fail(f"configs/{name} is missing")
+    load_config(path)

@@ -1,0 +1,337 @@
+"""Metrics.
+
+* Aggregation of per-rank dicts: every sum / max / mean rule and every derived ratio, checked
+  against hand computations; per-rank bubble keys; the errors a caller can hit.
+* JSONL round trip (NaN, inf, None, ints, 0-d tensors) and the TensorBoard event file.
+* Summary: value formatting, the table's columns and whole-run row, the 4-panel PNG (with and
+  without drafts).
+* Progress: one plain line per step off a terminal; the live bar on one.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import random
+
+import pytest
+import torch
+from rich.console import Console
+
+from megatron_bubblespec.metrics import (
+    MetricsWriter,
+    RunProgress,
+    aggregate_step,
+    decode_steps_plain,
+    plot_run,
+    print_summary,
+    read_metrics,
+    run_totals,
+    summary_table,
+)
+from megatron_bubblespec.metrics.aggregate import DERIVED, MAXED, MEANED, SUMMED
+from megatron_bubblespec.metrics.formatting import count, number, percent, scientific, seconds
+
+# Three ranks of one step: rank 1 is the straggler (12 s), rank 2 drafted nothing it could use.
+RANKS = [
+    {"rollout/time_s": 10.0, "rollout/decode_steps": 100, "rollout/decode_steps_plain": 150,
+     "rollout/tokens": 160, "rollout/max_response_len": 40,
+     "bubble/idle_s": 2.0, "bubble/drafting_s": 1.5, "bubble/overshoot_s": 0.1,
+     "spec/drafted_samples": 4, "spec/drafted_tokens": 80, "spec/accepted_tokens": 50,
+     "spec/accepted_prefix_mean": 10.0, "spec/verify_s": 0.5,
+     "sync/reshard_s": 1.0, "sync/reshard_bytes": 1000, "sync/logprob_abs_diff": 0.01,
+     "train/loss": 0.5, "train/reward_mean": 0.25, "train/kl": 0.01, "train/grad_norm": 1.0,
+     "train/lr": 1e-6, "policy/drift_kl": 0.002, "exact/weight_version": 3},
+    {"rollout/time_s": 12.0, "rollout/decode_steps": 120, "rollout/decode_steps_plain": 200,
+     "rollout/tokens": 210, "rollout/max_response_len": 64,
+     "bubble/idle_s": 0.0, "bubble/drafting_s": 0.0, "bubble/overshoot_s": 0.0,
+     "spec/drafted_samples": 6, "spec/drafted_tokens": 120, "spec/accepted_tokens": 30,
+     "spec/accepted_prefix_mean": 5.0, "spec/verify_s": 0.7,
+     "sync/reshard_s": 1.2, "sync/reshard_bytes": 1000, "sync/logprob_abs_diff": 0.02,
+     "train/loss": 0.7, "train/reward_mean": 0.75, "train/kl": 0.03, "train/grad_norm": 1.0,
+     "train/lr": 1e-6, "policy/drift_kl": 0.004, "exact/weight_version": 3},
+    {"rollout/time_s": 9.0, "rollout/decode_steps": 90, "rollout/decode_steps_plain": 90,
+     "rollout/tokens": 100, "rollout/max_response_len": 30,
+     "bubble/idle_s": 3.0, "bubble/drafting_s": 3.0, "bubble/overshoot_s": 0.2,
+     "spec/drafted_samples": 0, "spec/drafted_tokens": 0, "spec/accepted_tokens": 0,
+     "spec/accepted_prefix_mean": None, "spec/verify_s": 0.1,
+     "sync/reshard_s": 1.1, "sync/reshard_bytes": 1000, "sync/logprob_abs_diff": 0.015,
+     "train/loss": 0.6, "train/reward_mean": 0.5, "train/kl": 0.02, "train/grad_norm": 1.0,
+     "train/lr": 1e-6, "policy/drift_kl": 0.003, "exact/weight_version": 3},
+]
+
+
+def close(a, b):
+    return a == pytest.approx(b, rel=1e-12, abs=1e-15)
+
+
+# --- aggregation -------------------------------------------------------------------------------
+
+def test_aggregate_rules_against_hand_computation():
+    rec = aggregate_step(7, RANKS)
+    assert rec["step"] == 7
+    # sums
+    assert rec["rollout/decode_steps"] == 100 + 120 + 90
+    assert rec["rollout/decode_steps_plain"] == 150 + 200 + 90
+    assert rec["rollout/tokens"] == 160 + 210 + 100
+    assert rec["spec/drafted_samples"] == 10
+    assert rec["spec/drafted_tokens"] == 200
+    assert rec["spec/accepted_tokens"] == 80
+    assert rec["sync/reshard_bytes"] == 3000
+    assert close(rec["bubble/idle_s"], 5.0)
+    assert close(rec["bubble/drafting_s"], 4.5)
+    assert close(rec["bubble/overshoot_s"], 0.3)
+    # maxima
+    assert rec["rollout/time_s"] == 12.0
+    assert rec["rollout/max_response_len"] == 64
+    assert rec["spec/verify_s"] == 0.7
+    assert rec["sync/reshard_s"] == 1.2
+    assert rec["sync/logprob_abs_diff"] == 0.02
+    # means
+    assert close(rec["train/loss"], 0.6)
+    assert close(rec["train/reward_mean"], 0.5)
+    assert close(rec["train/kl"], 0.02)
+    assert close(rec["train/grad_norm"], 1.0)
+    assert close(rec["train/lr"], 1e-6)
+    assert close(rec["policy/drift_kl"], 0.003)
+    assert rec["exact/weight_version"] == 3
+    # per-sample mean weighted by drafted samples; rank 2 drafted none and reports None
+    assert close(rec["spec/accepted_prefix_mean"], (4 * 10.0 + 6 * 5.0) / 10)
+    # derived ratios, from the aggregated sums
+    assert close(rec["rollout/tokens_per_s"], 470 / 12)
+    assert close(rec["bubble/ratio"], 5.0 / (3 * 12.0))
+    assert close(rec["bubble/utilization"], 4.5 / 5.0)
+    assert close(rec["spec/accept_rate"], 80 / 200)
+    assert close(rec["spec/decode_steps_saved_frac"], 1 - 310 / 440)
+    # ... which is not the mean of the per-rank ratios
+    assert not close(rec["spec/accept_rate"], (50 / 80 + 30 / 120) / 2)
+
+
+def test_aggregate_keeps_bubble_metrics_per_rank():
+    rec = aggregate_step(0, RANKS)
+    assert close(rec["rank0/bubble/idle_s"], 2.0)
+    assert close(rec["rank0/bubble/drafting_s"], 1.5)
+    assert close(rec["rank0/bubble/overshoot_s"], 0.1)
+    assert close(rec["rank0/bubble/ratio"], 2.0 / 12.0)
+    assert close(rec["rank0/bubble/utilization"], 1.5 / 2.0)
+    assert rec["rank1/bubble/ratio"] == 0.0
+    assert math.isnan(rec["rank1/bubble/utilization"])  # the straggler had no bubble to use
+    assert close(rec["rank2/bubble/ratio"], 3.0 / 12.0)
+    assert close(rec["rank2/bubble/utilization"], 1.0)
+    # the aggregate ratio is the mean of the per-rank ratios (same wall time for all ranks)
+    assert close(rec["bubble/ratio"], sum(rec[f"rank{r}/bubble/ratio"] for r in range(3)) / 3)
+    assert not any(k.startswith("rank3/") for k in rec)
+
+
+def test_every_listed_metric_has_one_rule():
+    rec = aggregate_step(0, RANKS)
+    listed = set(SUMMED) | set(MAXED) | set(MEANED) | set(DERIVED)
+    assert len(listed) == len(SUMMED) + len(MAXED) + len(MEANED) + len(DERIVED)
+    assert listed | {"spec/accepted_prefix_mean", "exact/weight_version"} <= set(rec)
+
+
+def test_aggregate_without_drafts_reports_no_spec_ratios():
+    plain = [{k: v for k, v in r.items() if not k.startswith("spec/")} for r in RANKS]
+    rec = aggregate_step(1, plain)
+    assert not any(k.startswith("spec/accept") or k.startswith("spec/drafted") for k in rec)
+    # decode steps saved is still defined: it compares with the no-draft estimate
+    assert close(rec["spec/decode_steps_saved_frac"], 1 - 310 / 440)
+
+
+def test_zero_denominators_give_nan():
+    rec = aggregate_step(0, [{"rollout/time_s": 1.0, "bubble/idle_s": 0.0, "bubble/drafting_s": 0.0,
+                              "spec/drafted_tokens": 0, "spec/accepted_tokens": 0,
+                              "rollout/decode_steps": 0, "rollout/decode_steps_plain": 0}])
+    for key in ("bubble/utilization", "spec/accept_rate", "spec/decode_steps_saved_frac"):
+        assert math.isnan(rec[key]), key
+    assert rec["bubble/ratio"] == 0.0
+
+
+def test_decode_steps_plain():
+    assert decode_steps_plain([1, 5, 0, 10]) == 0 + 4 + 0 + 9
+    assert decode_steps_plain([]) == 0
+
+
+@pytest.mark.parametrize("ranks, match", [
+    ([], "no rank metrics"),
+    ([{"exact/weight_version": 3}, {"exact/weight_version": 4}], "disagree on exact/weight"),
+    ([{"rollout/tokenz": 3}], "rollout/tokenz"),
+    ([{"spec/accept_rate": 0.5}], "computed from the aggregated sums"),
+    ([{"spec/accepted_prefix_mean": 2.0}], "must also report spec/drafted_samples"),
+])
+def test_aggregate_errors(ranks, match):
+    with pytest.raises(ValueError, match=match):
+        aggregate_step(5, ranks)
+
+
+# --- writer ------------------------------------------------------------------------------------
+
+def test_jsonl_round_trip_with_nan_and_none(tmp_path):
+    records = [
+        {"step": 0, "train/loss": 0.25, "rollout/tokens": 12, "spec/accept_rate": math.nan,
+         "train/kl": None, "bubble/ratio": torch.tensor(0.5), "train/grad_norm": math.inf},
+        {"step": 1, "train/loss": -1.5, "exact/weight_version": 1, "spec/drafted_tokens": True},
+    ]
+    with MetricsWriter(tmp_path, tensorboard=False) as writer:
+        writer.write(records[0])
+        assert len(read_metrics(tmp_path)) == 1  # flushed per step, readable while running
+        writer.write(records[1])
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    first = json.loads(lines[0])  # strict JSON: null, never NaN / Infinity literals
+    assert first["spec/accept_rate"] is None and first["train/kl"] is None
+    assert first["train/grad_norm"] is None
+    back = read_metrics(tmp_path)
+    assert back[0]["step"] == 0 and isinstance(back[0]["step"], int)
+    assert back[0]["train/loss"] == 0.25
+    assert back[0]["rollout/tokens"] == 12 and isinstance(back[0]["rollout/tokens"], int)
+    assert back[0]["bubble/ratio"] == 0.5
+    for key in ("spec/accept_rate", "train/kl", "train/grad_norm"):
+        assert math.isnan(back[0][key]), key
+    assert back[1] == {"step": 1, "train/loss": -1.5, "exact/weight_version": 1,
+                       "spec/drafted_tokens": 1}
+    assert not (tmp_path / "tensorboard").exists()
+
+
+def test_writer_appends_and_rejects_non_numbers(tmp_path):
+    with MetricsWriter(tmp_path, tensorboard=False) as writer:
+        writer.write({"step": 0, "train/loss": 1.0})
+        with pytest.raises(TypeError, match="'train/note'"):
+            writer.write({"step": 1, "train/note": "hello"})
+        with pytest.raises(ValueError, match="integer 'step'"):
+            writer.write({"train/loss": 1.0})
+    with MetricsWriter(tmp_path, tensorboard=False) as writer:  # a resumed run appends
+        writer.write({"step": 1, "train/loss": 0.5})
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1]
+    with pytest.raises(FileNotFoundError, match="metrics.jsonl"):
+        read_metrics(tmp_path / "elsewhere")
+
+
+def test_tensorboard_event_file(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with MetricsWriter(tmp_path) as writer:
+        for step in range(3):
+            rec = aggregate_step(step, RANKS)
+            rec["spec/accept_rate"] = math.nan if step == 1 else rec["spec/accept_rate"]
+            writer.write(rec)
+    events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(events) == 1 and events[0].stat().st_size > 0
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert {"bubble/ratio", "spec/accept_rate", "rank2/bubble/idle_s"} <= set(tags)
+    assert [e.step for e in acc.Scalars("bubble/ratio")] == [0, 1, 2]
+    assert [e.step for e in acc.Scalars("spec/accept_rate")] == [0, 2]  # NaN is not logged
+    assert acc.Scalars("bubble/ratio")[0].value == pytest.approx(5.0 / 36.0)
+
+
+# --- summary -----------------------------------------------------------------------------------
+
+def synthetic_run(n_steps: int, drafts: bool = True, seed: int = 0) -> list[dict]:
+    """Step records of a 4-rank run with a long-tailed straggler, through aggregate_step."""
+    rng = random.Random(seed)
+    records = []
+    for step in range(n_steps):
+        times = [rng.uniform(6, 10) for _ in range(3)] + [rng.uniform(12, 18)]
+        wall = max(times)
+        ranks = []
+        for t in times:
+            plain = rng.randint(800, 1200)
+            rank = {"rollout/time_s": t, "rollout/tokens": plain + 32,
+                    "rollout/decode_steps_plain": plain, "rollout/max_response_len": 256,
+                    "bubble/idle_s": wall - t, "bubble/drafting_s": 0.0, "bubble/overshoot_s": 0.0,
+                    "train/loss": 0.5 - 0.02 * step + rng.gauss(0, 0.02),
+                    "train/reward_mean": min(1.0, 0.2 + 0.05 * step + rng.gauss(0, 0.03)),
+                    "policy/drift_kl": 1e-3 * (1 + rng.random()), "exact/weight_version": step}
+            if drafts and step > 0:
+                drafted = rng.randint(300, 600)
+                accepted = int(drafted * rng.uniform(0.4, 0.8))
+                rank.update({"bubble/drafting_s": 0.9 * (wall - t),
+                             "bubble/overshoot_s": 0.05 if wall > t else 0.0,
+                             "spec/drafted_samples": 8, "spec/drafted_tokens": drafted,
+                             "spec/accepted_tokens": accepted,
+                             "spec/accepted_prefix_mean": accepted / 8, "spec/verify_s": 0.4})
+            rank["rollout/decode_steps"] = plain - rank.get("spec/accepted_tokens", 0)
+            ranks.append(rank)
+        records.append(aggregate_step(step, ranks))
+    return records
+
+
+def test_summary_table_renders_columns_and_totals():
+    records = synthetic_run(4)
+    console = Console(record=True, width=80, file=io.StringIO())
+    print_summary(records, console=console)
+    text = console.export_text()
+    header = "\n".join(text.splitlines()[1:3])
+    for word in ("step", "reward", "loss", "rollout", "decode", "steps", "drafts", "accept", "tok",
+                 "rate", "saved", "bubble", "util", "drift", "KL"):
+        assert word in header, word
+    rows = [line for line in text.splitlines() if "%" in line and line.split()[0].isdigit()]
+    assert [int(row.split()[0]) for row in rows] == [r["step"] for r in records]
+    totals = run_totals(records)
+    all_row = next(line for line in text.splitlines() if line.split()[:1] == ["all"])
+    assert f"{100 * totals['spec/accept_rate']:.1f}%" in all_row
+    assert f"{round(totals['rollout/decode_steps']):,}" in all_row
+    assert close(totals["spec/accept_rate"],
+                 sum(r.get("spec/accepted_tokens", 0) for r in records)
+                 / sum(r.get("spec/drafted_tokens", 0) for r in records))
+    assert summary_table(records).row_count == len(records) + 1
+
+
+def test_formatting_of_missing_and_non_finite_values():
+    assert [f(math.nan) for f in (number, count, percent, seconds, scientific)] == ["-"] * 5
+    assert count(math.inf) == "inf" and percent(-math.inf) == "-inf"
+    assert number(0.41234) == "0.412" and number(2e-5) == "2.0e-05"
+    assert scientific(0.0015) == "1.5e-3" and count(12521.0) == "12,521"
+    assert percent(0.2354) == "23.5%" and seconds(3.14159) == "3.14s"
+
+
+def test_plot_run_writes_a_readable_png(tmp_path):
+    records, baseline = synthetic_run(8), synthetic_run(8, drafts=False)
+    for r, b in zip(records, baseline):  # the plain run decodes every token
+        b["rollout/decode_steps"] = r["rollout/decode_steps_plain"]
+    path = plot_run(records, tmp_path / "plots" / "run.png", baseline=baseline)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert path.stat().st_size > 10_000
+
+
+def test_plot_run_without_drafts(tmp_path):
+    path = plot_run(synthetic_run(3, drafts=False), tmp_path / "plain.png")
+    assert path.stat().st_size > 10_000
+    with pytest.raises(ValueError, match="at least one step"):
+        plot_run([], tmp_path / "empty.png")
+
+
+# --- progress ----------------------------------------------------------------------------------
+
+def test_progress_prints_one_line_per_step_off_terminal():
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=80)
+    records = synthetic_run(3)
+    with RunProgress(len(records), console=console) as progress:
+        for r in records:
+            progress.update(r["step"], r)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3
+    assert "\x1b" not in out.getvalue()
+    for i, (line, r) in enumerate(zip(lines, records)):
+        assert line.startswith(f"training step {r['step']} [{i + 1}/3] | reward ")
+        assert f"bubble {100 * r['bubble/ratio']:.1f}%" in line
+        assert " | step " in line and line.endswith("s")
+    assert "drafted - / accepted - tok" in lines[0]  # step 0 has no drafts yet
+    assert f"drafted {records[1]['spec/drafted_tokens']:,}" in lines[1]
+
+
+def test_progress_live_bar_on_terminal():
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=120)
+    records = synthetic_run(2)
+    with RunProgress(2, console=console) as progress:
+        for r in records:
+            progress.update(r["step"], r)
+    text = out.getvalue()
+    assert "2/2" in text and "reward" in text and "step 1:" in text
+    with pytest.raises(RuntimeError, match="outside its"):
+        progress.update(2, records[-1])
