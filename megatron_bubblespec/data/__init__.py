@@ -1,1 +1,1 @@
-"""Datasets: shipped prompt sets (GSM8K) -> records with stable uids and reference answers."""
+"""Data: tasks (prompts + verifiable rewards: synthetic arithmetic, arithmetic word problems, GSM8K) and the lookahead prompt sampler."""
