@@ -32,10 +32,29 @@ def cmd_info(_args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    """Train with GRPO (BubbleSpec on unless spec.enabled=false); launches the ranks itself."""
+    from megatron_bubblespec.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        print(f"bubblespec train: config error: {err}", file=sys.stderr)
+        return 2
+    from megatron_bubblespec.loop.train import train
+
+    train(cfg)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="bubblespec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help=cmd_info.__doc__).set_defaults(func=cmd_info)
+    train = sub.add_parser("train", help=cmd_train.__doc__)
+    train.add_argument("--config", required=True, help="YAML config (see configs/)")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. spec.enabled=false")
+    train.set_defaults(func=cmd_train)
     return parser
 
 

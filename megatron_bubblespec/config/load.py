@@ -79,6 +79,9 @@ def validate(cfg: Config) -> None:
     if cfg.spec.enabled and cfg.spec.rule != "keyed":
         raise ConfigError(f"spec.rule={cfg.spec.rule!r} is an ablation-only rule (the lenient one is "
                           "inexact); the training loop verifies with spec.rule=keyed")
+    if cfg.train.kl_coef != 0.0:
+        raise ConfigError(f"train.kl_coef={cfg.train.kl_coef}: a KL penalty needs a frozen reference "
+                          "policy, which the loop does not keep yet; use train.kl_coef=0")
     if cfg.spec.min_match > cfg.spec.max_match:
         raise ConfigError(f"spec.min_match={cfg.spec.min_match} must be <= spec.max_match="
                           f"{cfg.spec.max_match}")

@@ -37,6 +37,7 @@ MAXED = (
 MEANED = (
     "train/loss",
     "train/reward_mean",
+    "train/accuracy",
     "train/kl",
     "train/grad_norm",
     "train/lr",

@@ -1,0 +1,1 @@
+"""The synchronous BubbleSpec loop: verify -> rollout -> bubble -> exchange -> learn -> reshard, per step."""

@@ -1,0 +1,163 @@
+"""One rank's resources: config -> model checkpoint, rollout engine, Megatron trainer + verifier,
+resharder, bubble drafter, task and lookahead sampler.
+
+Rollout is data-parallel over Megatron's DP groups: each TP x PP model replica owns one rollout
+engine, hosted on the replica's first rank (its *leader*); the other ranks of the replica take part
+in the collectives (verification, training, resharding) and receive the leader's results.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_bubblespec.cache import cache_dir
+from megatron_bubblespec.config import Config
+from megatron_bubblespec.data.lookahead import LookaheadSampler
+from megatron_bubblespec.data.tasks import Task, check_prompt_lengths, make_task
+from megatron_bubblespec.distributed import init_distributed, megatron_cpu_mode
+from megatron_bubblespec.distributed.world import default_store
+from megatron_bubblespec.models.architecture import ModelSpec, load_checkpoint, make_tiny_checkpoint
+from megatron_bubblespec.sampling import SamplingParams
+from megatron_bubblespec.spec.bubble import BubbleDrafter
+from megatron_bubblespec.spec.drafts import Draft
+
+TASK_NAMES = {"synthetic": "synthetic_arithmetic", "arithmetic": "arithmetic_word", "gsm8k": "gsm8k"}
+
+
+@dataclass
+class Replica:
+    """Everything one rank needs for the synchronous loop."""
+
+    cfg: Config
+    spec: ModelSpec
+    model_path: Path
+    params: SamplingParams
+    task: Task
+    sampler: LookaheadSampler
+    trainer: object                    # train.trainer.MegatronTrainer
+    verifier: object                   # spec.megatron_verifier.MegatronVerifier
+    resharder: object                  # train.reshard.Resharder
+    engine: object | None              # rollout engine (leaders only)
+    drafter: BubbleDrafter | None      # leaders only
+    dp_rank: int
+    dp_size: int
+    is_leader: bool
+    weight_version: int = 0
+    pending_drafts: dict[int, Draft] = field(default_factory=dict)  # sample index -> draft
+
+    @property
+    def replica_group(self):
+        from megatron.core import parallel_state as ps
+
+        return ps.get_model_parallel_group()
+
+    def share(self, obj):
+        """Leader's object -> every rank of this replica (no-op for TP = PP = 1)."""
+        from megatron.core import parallel_state as ps
+
+        group = self.replica_group
+        if dist.get_world_size(group) == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=ps.get_model_parallel_src_rank(), group=group)
+        return box[0]
+
+
+def resolve_model(cfg: Config, rank: int) -> Path:
+    """tiny -> a cached random checkpoint; smollm2 -> the shipped model's cached conversion; else a
+    directory. Rank 0 prepares it, the others wait at a barrier."""
+    m = cfg.model
+    if m.path == "tiny":
+        name = f"tiny-llama-v{m.tiny_vocab_size}-h{m.tiny_hidden_size}-l{m.tiny_layers}-s{m.tiny_seed}"
+        path = cache_dir("models") / name
+        if rank == 0 and not (path / "config.json").is_file():
+            staging = path.with_name(f"{name}.tmp{os.getpid()}")
+            make_tiny_checkpoint(staging, "llama", seed=m.tiny_seed, vocab_size=m.tiny_vocab_size,
+                                 hidden_size=m.tiny_hidden_size, num_layers=m.tiny_layers,
+                                 max_position_embeddings=max(m.max_model_len, 1024))
+            staging.rename(path)
+    elif m.path == "smollm2":
+        from megatron_bubblespec.models.smollm2 import smollm2_checkpoint
+
+        path = smollm2_checkpoint() if rank == 0 else cache_dir("models") / "SmolLM2-135M-Instruct"
+    else:
+        path = Path(m.path)
+    dist.barrier()
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"model.path={m.path!r}: {path} has no config.json; use tiny, "
+                                "smollm2 or an HF checkpoint directory")
+    return path
+
+
+def build_task(cfg: Config, spec: ModelSpec) -> Task:
+    name = TASK_NAMES[cfg.data.task]
+    kwargs = {"seed": cfg.run.seed, "size": cfg.data.size}
+    if name == "synthetic_arithmetic":
+        kwargs["vocab_size"] = spec.vocab_size
+    elif name == "gsm8k":
+        kwargs = {"split": cfg.data.split}
+    task = make_task(name, **kwargs)
+    check_prompt_lengths(task, cfg.data.max_prompt_tokens,
+                         indices=range(min(task.size, 4096)))
+    return task
+
+
+def build_engine(cfg: Config, path: Path):
+    r, s = cfg.rollout, cfg.spec
+    if r.engine == "reference":
+        from megatron_bubblespec.rollout.reference import ReferenceEngine
+
+        return ReferenceEngine(path, max_model_len=cfg.model.max_model_len,
+                               speculative_continuation=s.enabled and s.speculative_continuation,
+                               spec_k=s.spec_k, spec_min_match=s.min_match,
+                               spec_max_match=s.max_match)
+    from megatron_bubblespec.rollout.vllm_engine import VLLMEngine
+
+    return VLLMEngine(path, max_model_len=cfg.model.max_model_len, seed=cfg.run.seed,
+                      kv_cache_memory_bytes=r.kv_cache_mb << 20)
+
+
+def build_replica(cfg: Config) -> Replica:
+    """Start the process groups and build this rank's resources (collective: all ranks call it)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_bubblespec.spec.megatron_verifier import MegatronVerifier
+    from megatron_bubblespec.train.grpo import GRPOConfig
+    from megatron_bubblespec.train.model import build_gpt_model
+    from megatron_bubblespec.train.sharding import load_hf_weights
+    from megatron_bubblespec.train.trainer import MegatronTrainer, TrainerConfig
+
+    p = cfg.parallel
+    world = init_distributed(p.tensor, p.pipeline, seed=cfg.run.seed,
+                             timeout_s=cfg.spec.barrier_timeout_s)
+    path = resolve_model(cfg, world.rank)
+    spec, tensors = load_checkpoint(path)
+    dtype = getattr(torch, cfg.model.dtype)
+    with megatron_cpu_mode():
+        model = build_gpt_model(spec, params_dtype=dtype)
+        load_hf_weights(model, spec, tensors)
+    t = cfg.train
+    trainer = MegatronTrainer(model, spec, TrainerConfig(
+        lr=t.lr, weight_decay=t.weight_decay, clip_grad=t.clip_grad,
+        micro_batch_size=t.micro_batch_size, use_distributed_optimizer=t.use_distributed_optimizer,
+        grpo=GRPOConfig(clip_eps_low=t.clip_eps, clip_eps_high=t.clip_eps, kl_coef=t.kl_coef,
+                        scale_by_std=t.normalize_advantage_std)))
+    params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
+    task = build_task(cfg, spec)
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    sampler = LookaheadSampler(cfg.run.seed, task.size, cfg.rollout.prompts_per_step, dp_size,
+                               cfg.rollout.samples_per_prompt)
+    is_leader = ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
+    engine = build_engine(cfg, path) if is_leader else None
+    drafter = None
+    if is_leader:
+        drafter = BubbleDrafter(default_store(), dp_size, engine, params,
+                                chunk=cfg.spec.draft_chunk, timeout_s=cfg.spec.barrier_timeout_s,
+                                namespace=f"bubblespec/{cfg.run.name}")
+    return Replica(cfg, spec, path, params, task, sampler, trainer, MegatronVerifier(model, spec),
+                   trainer.resharder(), engine, drafter, dp_rank, dp_size, is_leader)

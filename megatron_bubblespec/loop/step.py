@@ -1,0 +1,199 @@
+"""One synchronous step t on one rank: verify -> rollout -> bubble -> exchange -> learn -> reshard.
+
+Invariant (asserted): every token that reaches the learner at step t was drawn by the keyed
+sampler from the weights of version t, either by the rollout engine or by the Megatron verifier;
+drafts are only proposals, whatever version made them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_bubblespec.loop.replica import Replica
+from megatron_bubblespec.metrics import decode_steps_plain
+from megatron_bubblespec.rollout.base import RolloutRequest, RolloutResult
+from megatron_bubblespec.sampling import sample_key
+from megatron_bubblespec.spec.drafts import exchange, select_drafts
+from megatron_bubblespec.train.grpo import group_advantages
+from megatron_bubblespec.train.trainer import GRPOBatch, logprob_abs_diff
+
+
+@dataclass
+class StepOutput:
+    rank_metrics: dict            # this DP rank's raw metrics (see metrics.aggregate)
+    global_metrics: dict          # identical on every rank (trainer metrics)
+    rollouts: dict[int, list[int]]  # global sample index -> response tokens
+
+
+def _requests(rep: Replica, step: int, sample_range, slots, max_new: int, tag: str):
+    out = []
+    for g, (prompt_index, sample_index) in zip(sample_range, slots):
+        prompt = rep.task.prompt(prompt_index)
+        out.append(RolloutRequest(f"{tag}{step}-{g}", list(prompt.token_ids),
+                                  sample_key(rep.cfg.run.seed, step, prompt.uid, sample_index),
+                                  max_new, eos_token_ids=tuple(rep.task.eos_token_ids)))
+    return out
+
+
+def verify_drafts(rep: Replica, requests: list[RolloutRequest], sample_range) -> tuple[list, dict]:
+    """Stage 1: the step-t policy (Megatron) checks the drafts of my samples -> fixed prefixes."""
+    drafts = [list(rep.pending_drafts[g].tokens) if g in rep.pending_drafts else []
+              for g in sample_range]
+    metrics = {"spec/drafted_samples": sum(1 for d in drafts if d),
+               "spec/drafted_tokens": sum(len(d) for d in drafts),
+               "spec/accepted_tokens": 0, "spec/verify_s": 0.0}
+    if not any(drafts):
+        return requests, metrics
+    result = rep.verifier.verify(requests, drafts, rep.params,
+                                 micro_batch_size=rep.cfg.train.micro_batch_size)
+    verified = result.tokens(torch.tensor([d + [0] * (max(map(len, drafts)) - len(d)) for d in drafts]))
+    accepted = [int(a) if d else 0 for a, d in zip(result.accepted.tolist(), drafts)]
+    metrics.update({"spec/accepted_tokens": sum(accepted), "spec/verify_s": rep.verifier.last_seconds})
+    if metrics["spec/drafted_samples"]:
+        metrics["spec/accepted_prefix_mean"] = (sum(a for a, d in zip(accepted, drafts) if d)
+                                                / metrics["spec/drafted_samples"])
+    fixed = []
+    for request, draft, tokens in zip(requests, drafts, verified):
+        prefix = tokens[:request.max_new_tokens] if draft else []
+        fixed.append(RolloutRequest(request.request_id, request.prompt_token_ids, request.key,
+                                    request.max_new_tokens, response_prefix=prefix,
+                                    eos_token_ids=request.eos_token_ids))
+    return fixed, metrics
+
+
+def with_draft_pools(rep: Replica, requests, sample_range, slots):
+    """Speculative continuation: each sample may keep proposing from its prompt's drafts."""
+    pools: dict[int, list[list[int]]] = {}
+    for g, (prompt_index, _) in zip(sample_range, slots):
+        if g in rep.pending_drafts:
+            pools.setdefault(prompt_index, []).append(list(rep.pending_drafts[g].tokens))
+    for request, (prompt_index, _) in zip(requests, slots):
+        request.draft_pool = pools.get(prompt_index, [])
+    return requests
+
+
+def rollout(rep: Replica, requests) -> tuple[list[RolloutResult], float]:
+    """Stage 2: the engine (weights of version t) completes every sample from its fixed prefix."""
+    assert rep.engine.weight_version == rep.weight_version, (
+        f"rollout engine holds weight version {rep.engine.weight_version}, the trainer "
+        f"{rep.weight_version}: a reshard was missed")
+    start = time.perf_counter()
+    results = rep.engine.generate(requests, rep.params)
+    return results, time.perf_counter() - start
+
+
+def bubble_and_exchange(rep: Replica, step: int) -> dict:
+    """Stages 3-4: draft step t+1's samples while waiting at the DP barrier, then all-gather the
+    drafts and keep the ones of my step-(t+1) samples."""
+    cfg = rep.cfg
+    nxt = rep.sampler.batch(step + 1)
+    drafting = cfg.spec.enabled and step + 1 < cfg.run.steps and cfg.spec.max_draft_tokens > 0
+    budget = min(cfg.spec.max_draft_tokens, cfg.rollout.max_new_tokens)
+
+    def next_request(g: int) -> RolloutRequest:
+        slot = nxt.slot(g)
+        return _requests(rep, step + 1, [g], [(slot.prompt_index, slot.sample_index)], budget,
+                         "draft")[0]
+
+    drafts, stats = rep.drafter.arrive_and_draft(step, nxt.num_samples,
+                                                  next_request if drafting else None,
+                                                  rep.weight_version)
+    from megatron.core import parallel_state as ps
+
+    everyone = exchange(drafts, group=ps.get_data_parallel_group()) if drafting else []
+    mine = nxt.rank_sample_range(rep.dp_rank)
+    expected = {g: next_request(g).key for g in mine} if drafting else {}
+    rep.pending_drafts = select_drafts(everyone, expected, rep.spec.vocab_size, budget)
+    return {"bubble/idle_s": stats.idle_s, "bubble/drafting_s": stats.drafting_s,
+            "bubble/overshoot_s": stats.overshoot_s}
+
+
+def learn(rep: Replica, prompts: list[list[int]], results: list[RolloutResult], rewards) -> dict:
+    """Stage 5: group advantages -> GRPO step on Megatron; engine-vs-Megatron gap and policy drift."""
+    n = rep.cfg.rollout.samples_per_prompt
+    advantages = group_advantages(torch.tensor(rewards), n,
+                                  scale_by_std=rep.cfg.train.normalize_advantage_std)
+    batch = GRPOBatch.from_responses(prompts, [r.token_ids for r in results],
+                                     [r.logprobs for r in results], advantages)
+    trainer = rep.trainer
+    before = trainer.logprobs(batch.tokens, batch.response_mask)
+    gap = logprob_abs_diff([r.logprobs for r in results], _per_response(before, batch))
+    metrics = trainer.train_step(batch)
+    after = trainer.logprobs(batch.tokens, batch.response_mask)
+    mask, delta = batch.response_mask, after - before
+    # k3 estimator of KL(pi_t || pi_t+1) on tokens drawn from pi_t: non-negative, unbiased.
+    drift = float(((delta.exp() - 1 - delta) * mask).sum() / mask.sum().clamp_min(1))
+    return {"sync/logprob_abs_diff": gap, "policy/drift_kl": drift}, metrics
+
+
+def _per_response(token_aligned: torch.Tensor, batch: GRPOBatch) -> list[list[float]]:
+    from megatron_bubblespec.train.trainer import gather_responses
+
+    return gather_responses(token_aligned, batch.response_mask)
+
+
+def reshard(rep: Replica) -> dict:
+    """Stage 6: Megatron shards -> full HF tensors -> the engine; weight version t -> t+1."""
+    if rep.is_leader:
+        stats = rep.resharder.push(rep.engine)
+    else:
+        for _ in rep.resharder.named_tensors():
+            pass
+        stats = rep.resharder.last
+    rep.weight_version += 1
+    if rep.is_leader:
+        assert rep.engine.weight_version == rep.weight_version
+    return {"sync/reshard_s": stats.seconds, "sync/reshard_bytes": stats.bytes}
+
+
+def run_step(rep: Replica, step: int) -> StepOutput:
+    cfg = rep.cfg
+    batch = rep.sampler.batch(step)
+    sample_range = batch.rank_sample_range(rep.dp_rank)
+    slots = batch.rank_samples(rep.dp_rank)
+    requests = _requests(rep, step, sample_range, slots, cfg.rollout.max_new_tokens, "s")
+
+    requests, spec_metrics = verify_drafts(rep, requests, sample_range)              # 1 verify
+    if rep.is_leader:
+        if cfg.spec.enabled and cfg.spec.speculative_continuation:
+            requests = with_draft_pools(rep, requests, sample_range, slots)
+        results, rollout_s = rollout(rep, requests)                                     # 2 rollout
+        bubble = bubble_and_exchange(rep, step)                                         # 3-4
+        shared = (results, rollout_s, bubble, rep.pending_drafts)
+    else:
+        shared = None
+    results, rollout_s, bubble, rep.pending_drafts = rep.share(shared)
+
+    prompts = [r.prompt_token_ids for r in requests]
+    rewards = [rep.task.reward(rep.task.prompt(pi), r.token_ids) for (pi, _), r in zip(slots, results)]
+    sync_metrics, train_metrics = learn(rep, prompts, results, [x.total for x in rewards])  # 5
+    sync_metrics.update(reshard(rep))                                                    # 6
+
+    lengths = [len(r.token_ids) for r in results]
+    rank_metrics = {
+        "rollout/time_s": rollout_s,
+        "rollout/decode_steps": sum(r.decode_steps for r in results),
+        "rollout/decode_steps_plain": decode_steps_plain(lengths),
+        "rollout/tokens": sum(lengths),
+        "rollout/max_response_len": max(lengths),
+        "train/reward_mean": sum(x.total for x in rewards) / len(rewards),
+        "train/accuracy": sum(x.correct for x in rewards) / len(rewards),
+        "exact/weight_version": rep.weight_version - 1,
+        **spec_metrics, **bubble, **sync_metrics,
+    }
+    return StepOutput(rank_metrics, train_metrics,
+                      {g: list(r.token_ids) for g, r in zip(sample_range, results)})
+
+
+def gather_step(rep: Replica, out: StepOutput):
+    """Every rank's StepOutput -> rank 0 (leaders' metrics in DP order; None elsewhere)."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (rep.dp_rank, rep.is_leader, out))
+    if dist.get_rank() != 0:
+        return None
+    leaders = sorted((dp, o) for dp, leader, o in everyone if leader)
+    return [o for _, o in leaders]
