@@ -54,8 +54,8 @@ def test_fast_ranks_draft_only_inside_the_bubble(tiny):
         step_time = stats.drafting_s / max(stats.engine_steps, 1)
         assert stats.drafting_s <= stats.idle_s + step_time   # only while waiting
         assert stats.overshoot_s <= 5 * step_time + 0.05       # stopped about one step after closing
-    assert s0.idle_s > s1.idle_s  # the first to arrive waited longest...
-    assert s0.claimed_samples >= s1.claimed_samples  # ...and claimed at least as much
+    assert s0.idle_s > s1.idle_s  # the first to arrive waited longest
+    assert s0.claimed_samples + s1.claimed_samples <= NEXT_SAMPLES  # every sample claimed once at most
     # Partial drafts are kept: some draft is shorter than the budget (aborted mid-way).
     assert any(len(d.tokens) < DRAFT_TOKENS for d in d0 + d1)
     for d in d0 + d1:

@@ -41,7 +41,7 @@ RANKS = [
      "spec/drafted_samples": 4, "spec/drafted_tokens": 80, "spec/accepted_tokens": 50,
      "spec/accepted_prefix_mean": 10.0, "spec/verify_s": 0.5,
      "sync/reshard_s": 1.0, "sync/reshard_bytes": 1000, "sync/logprob_abs_diff": 0.01,
-     "train/loss": 0.5, "train/reward_mean": 0.25, "train/kl": 0.01, "train/grad_norm": 1.0,
+     "train/loss": 0.5, "train/reward_mean": 0.25, "train/accuracy": 0.0, "train/kl": 0.01, "train/grad_norm": 1.0,
      "train/lr": 1e-6, "policy/drift_kl": 0.002, "exact/weight_version": 3},
     {"rollout/time_s": 12.0, "rollout/decode_steps": 120, "rollout/decode_steps_plain": 200,
      "rollout/tokens": 210, "rollout/max_response_len": 64,
@@ -49,7 +49,7 @@ RANKS = [
      "spec/drafted_samples": 6, "spec/drafted_tokens": 120, "spec/accepted_tokens": 30,
      "spec/accepted_prefix_mean": 5.0, "spec/verify_s": 0.7,
      "sync/reshard_s": 1.2, "sync/reshard_bytes": 1000, "sync/logprob_abs_diff": 0.02,
-     "train/loss": 0.7, "train/reward_mean": 0.75, "train/kl": 0.03, "train/grad_norm": 1.0,
+     "train/loss": 0.7, "train/reward_mean": 0.75, "train/accuracy": 0.5, "train/kl": 0.03, "train/grad_norm": 1.0,
      "train/lr": 1e-6, "policy/drift_kl": 0.004, "exact/weight_version": 3},
     {"rollout/time_s": 9.0, "rollout/decode_steps": 90, "rollout/decode_steps_plain": 90,
      "rollout/tokens": 100, "rollout/max_response_len": 30,
@@ -57,7 +57,7 @@ RANKS = [
      "spec/drafted_samples": 0, "spec/drafted_tokens": 0, "spec/accepted_tokens": 0,
      "spec/accepted_prefix_mean": None, "spec/verify_s": 0.1,
      "sync/reshard_s": 1.1, "sync/reshard_bytes": 1000, "sync/logprob_abs_diff": 0.015,
-     "train/loss": 0.6, "train/reward_mean": 0.5, "train/kl": 0.02, "train/grad_norm": 1.0,
+     "train/loss": 0.6, "train/reward_mean": 0.5, "train/accuracy": 0.25, "train/kl": 0.02, "train/grad_norm": 1.0,
      "train/lr": 1e-6, "policy/drift_kl": 0.003, "exact/weight_version": 3},
 ]
 
