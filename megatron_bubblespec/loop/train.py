@@ -43,6 +43,7 @@ def train_rank(cfg: Config, return_weights: bool = False) -> dict | None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "config.yaml").write_text(to_yaml(cfg))
         (out_dir / "rollouts.jsonl").write_text("")
+        (out_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh record
         writer = MetricsWriter(out_dir, tensorboard=cfg.logging.tensorboard)
         progress = RunProgress(cfg.run.steps) if cfg.logging.progress else None
         if progress:

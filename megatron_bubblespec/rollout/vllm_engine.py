@@ -338,6 +338,13 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError(f"update_weights with {len(self._live)} unfinished requests: "
                                "abort or finish them first")
         state_dict = dict(named_tensors)
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        if getattr(hf_config, "tie_word_embeddings", False) and "model.embed_tokens.weight" in \
+                state_dict:
+            # vLLM's layer-wise reload loads the LM head as its own module: with tied embeddings
+            # and no lm_head tensor it keeps the OLD head ("ParallelLMHead: Failed to load
+            # weights"), so the engine would sample from a stale policy. Send the tie explicitly.
+            state_dict.setdefault("lm_head.weight", state_dict["model.embed_tokens.weight"])
         self.llm.collective_rpc(_reload_weights_on_worker, args=(state_dict,))
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after the weight update")
