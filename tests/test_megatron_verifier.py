@@ -5,17 +5,19 @@ inserted EOS and no draft at all, greedy and T=1; malformed drafts warn and are 
 from __future__ import annotations
 
 import random
-import shutil
 import warnings
 from collections import Counter
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from megatron_bubblespec.distributed import destroy_distributed, init_distributed, megatron_cpu_mode
 from megatron_bubblespec.distributed.launch import launch_local
-from megatron_bubblespec.models.architecture import load_checkpoint, make_tiny_checkpoint
+from megatron_bubblespec.models.architecture import (
+    load_checkpoint,
+    make_tiny_checkpoint,
+    perturb_checkpoint,
+)
 from megatron_bubblespec.rollout.base import RolloutRequest
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams, sample_key
@@ -44,13 +46,7 @@ def target(tmp_path_factory):
 @pytest.fixture(scope="module")
 def perturbed(target, tmp_path_factory):
     """The same model with small weight noise: the drafter (last step's policy)."""
-    out = tmp_path_factory.mktemp("perturbed")
-    _, tensors = load_checkpoint(target)
-    g = torch.Generator().manual_seed(1)
-    save_file({k: v + 0.003 * torch.randn(v.shape, generator=g) for k, v in tensors.items()},
-              str(out / "model.safetensors"))
-    shutil.copy(target / "config.json", out / "config.json")
-    return out
+    return perturb_checkpoint(target, tmp_path_factory.mktemp("perturbed"), 0.003)
 
 
 # ------------------------------------------------------------------------------ cases

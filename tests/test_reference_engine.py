@@ -1,14 +1,14 @@
 """Reference engine: keyed tokens equal a transformers oracle, continuation and speculative
 continuation are exact, step/abort keeps prefixes, update_weights replaces the policy."""
 
-import json
-import shutil
-
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from megatron_bubblespec.models.architecture import load_checkpoint, make_tiny_checkpoint
+from megatron_bubblespec.models.architecture import (
+    load_checkpoint,
+    make_tiny_checkpoint,
+    perturb_checkpoint,
+)
 from megatron_bubblespec.rollout.base import RolloutRequest
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams, keyed_sample, sample_key
@@ -31,13 +31,7 @@ def qwen2_tied(tmp_path_factory):
 @pytest.fixture(scope="module")
 def perturbed(checkpoint, tmp_path_factory):
     """The same model with small weight noise: a stand-in for last step's policy."""
-    out = tmp_path_factory.mktemp("perturbed")
-    _, tensors = load_checkpoint(checkpoint)
-    g = torch.Generator().manual_seed(1)
-    save_file({k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in tensors.items()},
-              str(out / "model.safetensors"))
-    shutil.copy(checkpoint / "config.json", out / "config.json")
-    return out
+    return perturb_checkpoint(checkpoint, tmp_path_factory.mktemp("perturbed"), 0.01)
 
 
 def _prompts(n=8, seed=0):

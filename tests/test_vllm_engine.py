@@ -355,17 +355,10 @@ def test_update_weights_in_place(engine, checkpoint, prompts, tmp_path_factory):
 def test_update_weights_of_a_tied_model_updates_the_lm_head(tmp_path):
     """With tied embeddings vLLM reloads the LM head as its own module: the engine must send it,
     or generation keeps sampling from the old head (a stale policy)."""
-    from safetensors.torch import save_file
-
-    from megatron_bubblespec.models.architecture import make_tiny_checkpoint
+    from megatron_bubblespec.models.architecture import make_tiny_checkpoint, perturb_checkpoint
 
     old = make_tiny_checkpoint(tmp_path / "old", "llama", tie_word_embeddings=True)
-    _, tensors = load_checkpoint(old)
-    g = torch.Generator().manual_seed(3)
-    new = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in tensors.items()}
-    (tmp_path / "new").mkdir()
-    save_file(new, str(tmp_path / "new" / "model.safetensors"))
-    (tmp_path / "new" / "config.json").write_text((old / "config.json").read_text())
+    _, new = load_checkpoint(perturb_checkpoint(old, tmp_path / "new", 0.05, seed=3))
     request = [RolloutRequest("tied", [5, 6, 7, 8], keys_for(9, 1)[0], 16)]
     engine = VLLMEngine(old, max_model_len=MAX_MODEL_LEN)
     engine.update_weights(new.items())

@@ -14,7 +14,6 @@ import json
 import os
 from pathlib import Path
 
-import torch
 
 from megatron_bubblespec.config import Config, to_yaml
 from megatron_bubblespec.distributed import destroy_distributed
@@ -34,6 +33,9 @@ def train_rank(cfg: Config, return_weights: bool = False) -> dict | None:
     HF-layout weights), the other ranks None."""
     import torch.distributed as dist
 
+    # vLLM reads its log level when first imported (in build_replica): keep the console for the
+    # progress display unless the user asked for vLLM's own logs.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     replica = build_replica(cfg)
     rank0 = dist.get_rank() == 0
     out_dir = run_dir(cfg)
@@ -85,6 +87,9 @@ def train_rank(cfg: Config, return_weights: bool = False) -> dict | None:
 
 def _shutdown(replica) -> None:
     """Release the engine before the process groups (vLLM tears down its own groups)."""
+    import torch.distributed as dist
+
+    dist.barrier()  # nobody is inside a collective any more
     engine = replica.engine
     replica.engine = replica.drafter = None
     if engine is not None and hasattr(engine, "shutdown"):

@@ -108,3 +108,19 @@ def make_tiny_checkpoint(path: str | Path, arch: str = "llama", *, seed: int = 0
     path = Path(path)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def perturb_checkpoint(source: str | Path, target: str | Path, noise_std: float,
+                       seed: int = 1) -> Path:
+    """Copy an HF checkpoint with Gaussian noise added to every tensor (a stand-in for a nearby
+    policy, e.g. last step's, in tests and ablations of drafting)."""
+    from safetensors.torch import save_file
+
+    source, target = Path(source), Path(target)
+    _, tensors = load_checkpoint(source)
+    g = torch.Generator().manual_seed(seed)
+    target.mkdir(parents=True, exist_ok=True)
+    save_file({k: v + noise_std * torch.randn(v.shape, generator=g) for k, v in tensors.items()},
+              str(target / "model.safetensors"))
+    (target / "config.json").write_text((source / "config.json").read_text())
+    return target

@@ -333,6 +333,14 @@ class VLLMEngine(RolloutEngine):
 
     # --------------------------------------------------------------------------------- weights
 
+    def shutdown(self) -> None:
+        """Stop the engine core now (idempotent). vLLM's teardown also destroys the default
+        torch.distributed group when it shares it, so call this after the job's last collective
+        and before destroying the process groups (at interpreter exit it would fail instead)."""
+        core = getattr(self.llm.llm_engine, "engine_core", None)
+        if core is not None:
+            core.shutdown()
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         if self._live:
             raise RuntimeError(f"update_weights with {len(self._live)} unfinished requests: "
