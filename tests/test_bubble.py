@@ -14,7 +14,7 @@ from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams, sample_key
 from megatron_bubblespec.spec.bubble import BubbleDrafter
 
-NEXT_SAMPLES, DRAFT_TOKENS = 24, 48
+NEXT_SAMPLES, DRAFT_TOKENS = 256, 400  # far more than a bubble can draft: drafts end partial
 
 
 def _next_request(i):

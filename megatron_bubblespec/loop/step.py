@@ -80,11 +80,16 @@ def with_draft_pools(rep: Replica, requests, sample_range, slots):
     return requests
 
 
+def _check_engine_version(rep: Replica) -> None:
+    if rep.engine.weight_version != rep.weight_version:
+        raise RuntimeError(f"rollout engine holds weight version {rep.engine.weight_version}, the "
+                           f"trainer {rep.weight_version}: its tokens would be off-policy (a "
+                           "reshard was missed or failed)")
+
+
 def rollout(rep: Replica, requests) -> tuple[list[RolloutResult], float]:
     """Stage 2: the engine (weights of version t) completes every sample from its fixed prefix."""
-    assert rep.engine.weight_version == rep.weight_version, (
-        f"rollout engine holds weight version {rep.engine.weight_version}, the trainer "
-        f"{rep.weight_version}: a reshard was missed")
+    _check_engine_version(rep)
     start = time.perf_counter()
     results = rep.engine.generate(requests, rep.params)
     return results, time.perf_counter() - start
@@ -154,7 +159,7 @@ def reshard(rep: Replica) -> dict:
         stats = rep.resharder.last
     rep.weight_version += 1
     if rep.is_leader:
-        assert rep.engine.weight_version == rep.weight_version
+        _check_engine_version(rep)
     return {"sync/reshard_s": stats.seconds, "sync/reshard_bytes": stats.bytes}
 
 
