@@ -55,8 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", required=True, help="YAML config (see configs/)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. spec.enabled=false")
     train.set_defaults(func=cmd_train)
+    from megatron_bubblespec.loop.bench import add_bench_parser
     from megatron_bubblespec.rollout.bench import add_bench_engine_parser
 
+    add_bench_parser(sub)
     add_bench_engine_parser(sub)
     return parser
 

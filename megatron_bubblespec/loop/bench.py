@@ -1,0 +1,355 @@
+"""Config -> paired runs, BubbleSpec on / off (same seeds, prompts) -> ratios -> bench.json/md/png.
+
+``bench(config_path, out_dir, overrides)`` loads the config twice, once with ``spec.enabled=true``
+and once with ``spec.enabled=false`` (everything else identical, so both runs see the same seeds,
+prompts and sampling keys), trains each as its own run under ``out_dir`` (run names
+``<run.name>-on`` and ``<run.name>-off``, BubbleSpec on first) and compares them:
+
+* cost, over the steps >= 1 (the first step has no drafts to verify):
+  ``decode_steps_ratio`` = sum on decode steps / sum off decode steps;
+  ``rollout_time_ratio`` = on rollout time / off rollout time;
+  ``throughput_ratio`` = off rollout time / on rollout time;
+  ``throughput_ratio_with_verify`` = off rollout time / (on rollout time + on verify time), since
+  verifying the drafts is part of what the on run pays;
+  ``verify_overhead_frac`` = on verify time / on rollout time;
+* bubble, over all steps (the drafts of step t are made in the bubble of step t - 1):
+  ``bubble_ratio_off`` = idle share of the off run's rank rollout time (the bubble there is to use),
+  ``bubble_ratio_on``, ``bubble_utilization`` = on drafting time / on idle time;
+* drafts, over all steps: ``accepted_prefix_mean`` (weighted by drafted samples), ``accept_rate``
+  (accepted / drafted tokens), ``drafted_tokens``, ``accepted_tokens``;
+* exactness: ``token_mismatch`` = response token positions that differ between the two runs over
+  all steps and samples (a length difference counts its extra tokens, a sample missing from one run
+  all of its tokens) and ``token_mismatch_samples`` = samples with any difference; both must be 0;
+* training: ``lr`` (the on run's last logged learning rate), ``policy_drift_kl_mean`` (mean over
+  the on run's steps of ``policy/drift_kl``), ``reward_mean_on`` / ``reward_mean_off``;
+* context: ``machine`` (cpu count, torch version, start and end date, wall time, load average),
+  ``config``, ``overrides``, and ``series`` (the full per-step records of both runs, NaN as null).
+
+A ratio whose denominator is 0 or missing is NaN in memory and null in bench.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from megatron_bubblespec.metrics.formatting import count, number, percent, scientific, seconds
+
+Record = Mapping[str, object]
+
+# (label, key in the result, formatter) of the summary table in bench.md, in row order.
+SUMMARY_ROWS = (
+    ("decode steps on / off (steps >= 1)", "decode_steps_ratio", number),
+    ("rollout time on / off (steps >= 1)", "rollout_time_ratio", number),
+    ("throughput on vs off (off time / on time)", "throughput_ratio", number),
+    ("throughput with verify (off / (on + verify))", "throughput_ratio_with_verify", number),
+    ("verify time / on rollout time", "verify_overhead_frac", percent),
+    ("rollout time on (steps >= 1)", "rollout_time_on_s", seconds),
+    ("rollout time off (steps >= 1)", "rollout_time_off_s", seconds),
+    ("verify time on (steps >= 1)", "verify_time_on_s", seconds),
+    ("decode steps on (steps >= 1)", "decode_steps_on", count),
+    ("decode steps off (steps >= 1)", "decode_steps_off", count),
+    ("bubble ratio, off run", "bubble_ratio_off", percent),
+    ("bubble ratio, on run", "bubble_ratio_on", percent),
+    ("bubble utilization (drafting / idle), on run", "bubble_utilization", percent),
+    ("accepted prefix mean (tokens)", "accepted_prefix_mean", number),
+    ("accept rate (accepted / drafted tokens)", "accept_rate", percent),
+    ("drafted tokens", "drafted_tokens", count),
+    ("accepted tokens", "accepted_tokens", count),
+    ("token mismatch on vs off (tokens)", "token_mismatch", count),
+    ("token mismatch on vs off (samples)", "token_mismatch_samples", count),
+    ("reward mean, on run", "reward_mean_on", number),
+    ("reward mean, off run", "reward_mean_off", number),
+    ("learning rate", "lr", scientific),
+    ("policy drift KL mean, on run", "policy_drift_kl_mean", scientific),
+)
+
+# (header, metric, formatter) of the per-step table in bench.md; each shown for on and off.
+STEP_COLUMNS = (
+    ("decode steps", "rollout/decode_steps", count),
+    ("rollout", "rollout/time_s", seconds),
+    ("verify", "spec/verify_s", seconds),
+    ("bubble", "bubble/ratio", percent),
+)
+# Shown for the on run only.
+STEP_COLUMNS_ON = (
+    ("util", "bubble/utilization", percent),
+    ("accept", "spec/accept_rate", percent),
+    ("prefix", "spec/accepted_prefix_mean", number),
+    ("drift KL", "policy/drift_kl", scientific),
+)
+
+
+def _value(record: Record, key: str) -> float:
+    v = record.get(key)
+    if v is None:
+        return math.nan
+    return float(v)
+
+
+def _finite(record: Record, *keys: str) -> bool:
+    return all(math.isfinite(_value(record, k)) for k in keys)
+
+
+def _sum(records: Sequence[Record], key: str) -> float:
+    """Sum of the finite values of ``key``; NaN when no record has one."""
+    xs = [x for x in (_value(r, key) for r in records) if math.isfinite(x)]
+    return sum(xs) if xs else math.nan
+
+
+def _mean(records: Sequence[Record], key: str) -> float:
+    xs = [x for x in (_value(r, key) for r in records) if math.isfinite(x)]
+    return sum(xs) / len(xs) if xs else math.nan
+
+
+def _div(num: float, den: float) -> float:
+    if math.isnan(num) or math.isnan(den) or den == 0:
+        return math.nan
+    return num / den
+
+
+def _weighted_mean(records: Sequence[Record], key: str, weight: str) -> float:
+    top = bottom = 0.0
+    for r in records:
+        x, w = _value(r, key), _value(r, weight)
+        if math.isfinite(x) and math.isfinite(w) and w > 0:
+            top, bottom = top + x * w, bottom + w
+    return top / bottom if bottom else math.nan
+
+
+def token_mismatch(on: Sequence[Mapping[int, Sequence[int]]],
+                   off: Sequence[Mapping[int, Sequence[int]]]) -> tuple[int, int]:
+    """(differing token positions, differing samples) between two runs' per-step rollouts.
+
+    Positions are compared one to one; the tokens past the shorter response count as differing, a
+    sample (or step) present in one run only counts all of its tokens.
+    """
+    tokens = samples = 0
+    for step in range(max(len(on), len(off))):
+        a = on[step] if step < len(on) else {}
+        b = off[step] if step < len(off) else {}
+        for index in set(a) | set(b):
+            x, y = list(a.get(index, ())), list(b.get(index, ()))
+            diff = sum(1 for p, q in zip(x, y) if p != q) + abs(len(x) - len(y))
+            if index not in a or index not in b:
+                diff = max(diff, 1)  # a missing sample differs even when the other is empty
+            if diff:
+                tokens += diff
+                samples += 1
+    return tokens, samples
+
+
+def compare(on: Sequence[Record], off: Sequence[Record]) -> dict:
+    """The on/off numbers of the module docstring from the two runs' step records."""
+    on1 = [r for r in on if _value(r, "step") >= 1]
+    off1 = [r for r in off if _value(r, "step") >= 1]
+    dec_on, dec_off = _sum(on1, "rollout/decode_steps"), _sum(off1, "rollout/decode_steps")
+    t_on, t_off = _sum(on1, "rollout/time_s"), _sum(off1, "rollout/time_s")
+    verify = _sum(on1, "spec/verify_s")
+    verify_0 = 0.0 if math.isnan(verify) else verify
+
+    def bubble_ratio(records):
+        # mean of the step ratios weighted by rollout time = idle / (ranks x total rollout time)
+        return _div(sum(_value(r, "bubble/ratio") * _value(r, "rollout/time_s") for r in records
+                        if _finite(r, "bubble/ratio", "rollout/time_s")),
+                    sum(_value(r, "rollout/time_s") for r in records
+                        if _finite(r, "bubble/ratio", "rollout/time_s")))
+
+    lrs = [x for x in (_value(r, "train/lr") for r in on) if math.isfinite(x)]
+    return {
+        "steps": len(on),
+        "steps_compared": len(on1),
+        "decode_steps_on": dec_on,
+        "decode_steps_off": dec_off,
+        "decode_steps_ratio": _div(dec_on, dec_off),
+        "rollout_time_on_s": t_on,
+        "rollout_time_off_s": t_off,
+        "verify_time_on_s": verify,
+        "rollout_time_ratio": _div(t_on, t_off),
+        "throughput_ratio": _div(t_off, t_on),
+        "throughput_ratio_with_verify": _div(t_off, t_on + verify_0),
+        "verify_overhead_frac": _div(verify, t_on),
+        "bubble_ratio_off": bubble_ratio(off),
+        "bubble_ratio_on": bubble_ratio(on),
+        "bubble_utilization": _div(_sum(on, "bubble/drafting_s"), _sum(on, "bubble/idle_s")),
+        "accepted_prefix_mean": _weighted_mean(on, "spec/accepted_prefix_mean",
+                                               "spec/drafted_samples"),
+        "accept_rate": _div(_sum(on, "spec/accepted_tokens"), _sum(on, "spec/drafted_tokens")),
+        "drafted_tokens": _sum(on, "spec/drafted_tokens"),
+        "accepted_tokens": _sum(on, "spec/accepted_tokens"),
+        "reward_mean_on": _mean(on, "train/reward_mean"),
+        "reward_mean_off": _mean(off, "train/reward_mean"),
+        "lr": lrs[-1] if lrs else math.nan,
+        "policy_drift_kl_mean": _mean(on, "policy/drift_kl"),
+        "policy_drift_kl_mean_off": _mean(off, "policy/drift_kl"),
+    }
+
+
+def machine() -> dict:
+    import torch
+
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:
+        usable = os.cpu_count()
+    try:
+        load = list(os.getloadavg())
+    except OSError:
+        load = None
+    return {
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": usable,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "loadavg_1_5_15": load,
+    }
+
+
+def _json_safe(x):
+    """NaN / infinities -> None, tensors and numpy scalars -> numbers, recursively."""
+    if isinstance(x, Mapping):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if hasattr(x, "item") and not isinstance(x, (str, bytes)):
+        x = x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def _fmt(fmt, x) -> str:
+    return fmt(math.nan if x is None else float(x))
+
+
+def markdown_summary(result: Mapping[str, object]) -> str:
+    """The summary table of bench.md: one row per number."""
+    lines = ["| metric | value |", "|---|---:|"]
+    lines += [f"| {label} | {_fmt(fmt, result.get(key))} |" for label, key, fmt in SUMMARY_ROWS]
+    return "\n".join(lines)
+
+
+def markdown_steps(on: Sequence[Record], off: Sequence[Record]) -> str:
+    """The per-step table of bench.md: on and off side by side."""
+    header = ["step"]
+    for name, _, _ in STEP_COLUMNS:
+        header += [f"{name} on", f"{name} off"]
+    header += [f"{name} on" for name, _, _ in STEP_COLUMNS_ON]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
+    for step in range(max(len(on), len(off))):
+        a = on[step] if step < len(on) else {}
+        b = off[step] if step < len(off) else {}
+        row = [str(step)]
+        for _, key, fmt in STEP_COLUMNS:
+            row += [fmt(_value(a, key)), fmt(_value(b, key))]
+        row += [fmt(_value(a, key)) for _, key, fmt in STEP_COLUMNS_ON]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def markdown(result: Mapping[str, object]) -> str:
+    m = result["machine"]
+    over = " ".join(result["overrides"]) or "(none)"
+    return "\n".join([
+        f"# BubbleSpec on vs off: {result['name']}",
+        "",
+        f"config `{result['config']}`, overrides `{over}`; {result['steps']} steps per run, "
+        f"ratios over steps >= 1 (bubble, drafts and drift over all steps).",
+        f"machine: {m['cpus_usable']} of {m['cpu_count']} CPUs, torch {m['torch']}, "
+        f"{m['cuda'] or 'no GPU'}, {m['started']} to {m['date']} ({m['wall_s']:.0f} s), "
+        f"load average at the end "
+        f"{' '.join(f'{x:.2f}' for x in m['loadavg_1_5_15'] or ())}.",
+        "",
+        markdown_summary(result),
+        "",
+        "## Per step",
+        "",
+        markdown_steps(result["series"]["on"], result["series"]["off"]),
+        "",
+    ])
+
+
+def bench(config_path: str | Path, out_dir: str | Path, overrides: Sequence[str] = ()) -> dict:
+    """Run the paired on/off runs of ``config_path`` under ``out_dir`` and write the bench files."""
+    from megatron_bubblespec.config import load_config
+    from megatron_bubblespec.loop.train import train
+    from megatron_bubblespec.metrics import plot_run
+
+    out = Path(out_dir)
+    overrides = list(overrides)
+    name = load_config(config_path, overrides).run.name  # validates before any run starts
+    started, t0 = datetime.datetime.now().astimezone(), time.perf_counter()
+    runs = {}
+    for mode, enabled in (("on", "true"), ("off", "false")):
+        cfg = load_config(config_path, [*overrides, f"run.output_dir={out}",
+                                        f"run.name={name}-{mode}", f"spec.enabled={enabled}"])
+        runs[mode] = train(cfg)
+    on, off = runs["on"]["records"], runs["off"]["records"]
+    mismatch, mismatch_samples = token_mismatch(runs["on"]["rollouts"], runs["off"]["rollouts"])
+    result = {
+        "name": name,
+        "config": str(config_path),
+        "overrides": overrides,
+        "runs": {"on": str(out / f"{name}-on"), "off": str(out / f"{name}-off")},
+        **compare(on, off),
+        "token_mismatch": mismatch,
+        "token_mismatch_samples": mismatch_samples,
+        "machine": {**machine(), "started": started.isoformat(timespec="seconds"),
+                    "wall_s": time.perf_counter() - t0},
+        "series": {"on": list(on), "off": list(off)},
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(_json_safe(result), indent=1, allow_nan=False)
+    (out / "bench.json").write_text(text + "\n")
+    (out / "bench.md").write_text(markdown(result))
+    plot_run(on, out / "bench.png", baseline=off)
+    return result
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``bench`` on a ``parser.add_subparsers()`` object."""
+    parser = subparsers.add_parser("bench", help=cmd_bench.__doc__,
+                                   description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML config (see configs/)")
+    parser.add_argument("--out", required=True, help="directory for the two runs and bench.*")
+    parser.add_argument("overrides", nargs="*",
+                        help="dotted overrides for both runs, e.g. run.steps=3")
+    parser.set_defaults(func=cmd_bench)
+    return parser
+
+
+def cmd_bench(args) -> int:
+    """Run a config with BubbleSpec on and off (paired runs) and compare: bench.json, .md, .png."""
+    import sys
+
+    from megatron_bubblespec.config import ConfigError
+
+    try:
+        result = bench(args.config, args.out, args.overrides)
+    except ConfigError as err:
+        print(f"bubblespec bench: config error: {err}", file=sys.stderr)
+        return 2
+    print(markdown_summary(result))
+    print(f"bench files: {Path(args.out) / 'bench.json'}, bench.md, bench.png")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m megatron_bubblespec.loop.bench")
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *(argv if argv is not None else __import__("sys").argv[1:])])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
