@@ -44,28 +44,30 @@ def _requests(rep: Replica, step: int, sample_range, slots, max_new: int, tag: s
 
 
 def verify_drafts(rep: Replica, requests: list[RolloutRequest], sample_range) -> tuple[list, dict]:
-    """Stage 1: the step-t policy (Megatron) checks the drafts of my samples -> fixed prefixes."""
-    drafts = [list(rep.pending_drafts[g].tokens) if g in rep.pending_drafts else []
-              for g in sample_range]
-    metrics = {"spec/drafted_samples": sum(1 for d in drafts if d),
-               "spec/drafted_tokens": sum(len(d) for d in drafts),
+    """Stage 1: the step-t policy (Megatron) checks the drafts of my samples -> fixed prefixes.
+
+    Only samples that have a draft are verified (one forward over prompt + draft each); the others
+    go to the engine unchanged, which draws the same first token the verifier would have."""
+    drafted = [i for i, g in enumerate(sample_range)
+               if g in rep.pending_drafts and rep.pending_drafts[g].tokens]
+    drafts = [list(rep.pending_drafts[sample_range[i]].tokens) for i in drafted]
+    metrics = {"spec/drafted_samples": len(drafts), "spec/drafted_tokens": sum(map(len, drafts)),
                "spec/accepted_tokens": 0, "spec/verify_s": 0.0}
-    if not any(drafts):
+    if not drafts:
         return requests, metrics
-    result = rep.verifier.verify(requests, drafts, rep.params,
+    result = rep.verifier.verify([requests[i] for i in drafted], drafts, rep.params,
                                  micro_batch_size=rep.cfg.train.micro_batch_size)
-    verified = result.tokens(torch.tensor([d + [0] * (max(map(len, drafts)) - len(d)) for d in drafts]))
-    accepted = [int(a) if d else 0 for a, d in zip(result.accepted.tolist(), drafts)]
-    metrics.update({"spec/accepted_tokens": sum(accepted), "spec/verify_s": rep.verifier.last_seconds})
-    if metrics["spec/drafted_samples"]:
-        metrics["spec/accepted_prefix_mean"] = (sum(a for a, d in zip(accepted, drafts) if d)
-                                                / metrics["spec/drafted_samples"])
-    fixed = []
-    for request, draft, tokens in zip(requests, drafts, verified):
-        prefix = tokens[:request.max_new_tokens] if draft else []
-        fixed.append(RolloutRequest(request.request_id, request.prompt_token_ids, request.key,
-                                    request.max_new_tokens, response_prefix=prefix,
-                                    eos_token_ids=request.eos_token_ids))
+    width = max(map(len, drafts))
+    verified = result.tokens(torch.tensor([d + [0] * (width - len(d)) for d in drafts]))
+    metrics.update({"spec/accepted_tokens": int(result.accepted.sum()),
+                    "spec/verify_s": rep.verifier.last_seconds,
+                    "spec/accepted_prefix_mean": float(result.accepted.float().mean())})
+    fixed = list(requests)
+    for i, tokens in zip(drafted, verified):
+        r = requests[i]
+        fixed[i] = RolloutRequest(r.request_id, r.prompt_token_ids, r.key, r.max_new_tokens,
+                                  response_prefix=tokens[:r.max_new_tokens],
+                                  eos_token_ids=r.eos_token_ids)
     return fixed, metrics
 
 
