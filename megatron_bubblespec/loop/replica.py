@@ -9,6 +9,7 @@ in the collectives (verification, training, resharding) and receive the leader's
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,11 +81,14 @@ def resolve_model(cfg: Config, rank: int) -> Path:
             make_tiny_checkpoint(staging, "llama", seed=m.tiny_seed, vocab_size=m.tiny_vocab_size,
                                  hidden_size=m.tiny_hidden_size, num_layers=m.tiny_layers,
                                  max_position_embeddings=max(m.max_model_len, 1024))
-            staging.rename(path)
+            try:
+                staging.rename(path)
+            except OSError:  # another job made the same model meanwhile: keep theirs
+                shutil.rmtree(staging, ignore_errors=True)
     elif m.path == "smollm2":
-        from megatron_bubblespec.models.smollm2 import smollm2_checkpoint
+        from megatron_bubblespec.models.smollm2 import NAME, smollm2_checkpoint
 
-        path = smollm2_checkpoint() if rank == 0 else cache_dir("models") / "SmolLM2-135M-Instruct"
+        path = smollm2_checkpoint() if rank == 0 else cache_dir("models") / NAME
     else:
         path = Path(m.path)
     dist.barrier()
