@@ -40,7 +40,10 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from megatron_bubblespec.metrics.formatting import count, number, percent, scientific, seconds
+from megatron_bubblespec.metrics.aggregate import ratio
+from megatron_bubblespec.metrics.formatting import (count, number, percent, scientific, seconds,
+                                                    value)
+from megatron_bubblespec.metrics.reduce import finite_values, mean_of, total_of, weighted_mean_of
 
 Record = Mapping[str, object]
 
@@ -87,43 +90,6 @@ STEP_COLUMNS_ON = (
 )
 
 
-def _value(record: Record, key: str) -> float:
-    v = record.get(key)
-    if v is None:
-        return math.nan
-    return float(v)
-
-
-def _finite(record: Record, *keys: str) -> bool:
-    return all(math.isfinite(_value(record, k)) for k in keys)
-
-
-def _sum(records: Sequence[Record], key: str) -> float:
-    """Sum of the finite values of ``key``; NaN when no record has one."""
-    xs = [x for x in (_value(r, key) for r in records) if math.isfinite(x)]
-    return sum(xs) if xs else math.nan
-
-
-def _mean(records: Sequence[Record], key: str) -> float:
-    xs = [x for x in (_value(r, key) for r in records) if math.isfinite(x)]
-    return sum(xs) / len(xs) if xs else math.nan
-
-
-def _div(num: float, den: float) -> float:
-    if math.isnan(num) or math.isnan(den) or den == 0:
-        return math.nan
-    return num / den
-
-
-def _weighted_mean(records: Sequence[Record], key: str, weight: str) -> float:
-    top = bottom = 0.0
-    for r in records:
-        x, w = _value(r, key), _value(r, weight)
-        if math.isfinite(x) and math.isfinite(w) and w > 0:
-            top, bottom = top + x * w, bottom + w
-    return top / bottom if bottom else math.nan
-
-
 def token_mismatch(on: Sequence[Mapping[int, Sequence[int]]],
                    off: Sequence[Mapping[int, Sequence[int]]]) -> tuple[int, int]:
     """(differing token positions, differing samples) between two runs' per-step rollouts.
@@ -148,47 +114,44 @@ def token_mismatch(on: Sequence[Mapping[int, Sequence[int]]],
 
 def compare(on: Sequence[Record], off: Sequence[Record]) -> dict:
     """The on/off numbers of the module docstring from the two runs' step records."""
-    on1 = [r for r in on if _value(r, "step") >= 1]
-    off1 = [r for r in off if _value(r, "step") >= 1]
-    dec_on, dec_off = _sum(on1, "rollout/decode_steps"), _sum(off1, "rollout/decode_steps")
-    t_on, t_off = _sum(on1, "rollout/time_s"), _sum(off1, "rollout/time_s")
-    verify = _sum(on1, "spec/verify_s")
+    on1 = [r for r in on if value(r, "step") >= 1]
+    off1 = [r for r in off if value(r, "step") >= 1]
+    dec_on, dec_off = total_of(on1, "rollout/decode_steps"), total_of(off1, "rollout/decode_steps")
+    t_on, t_off = total_of(on1, "rollout/time_s"), total_of(off1, "rollout/time_s")
+    verify = total_of(on1, "spec/verify_s")
     verify_0 = 0.0 if math.isnan(verify) else verify
 
     def bubble_ratio(records):
         # mean of the step ratios weighted by rollout time = idle / (ranks x total rollout time)
-        return _div(sum(_value(r, "bubble/ratio") * _value(r, "rollout/time_s") for r in records
-                        if _finite(r, "bubble/ratio", "rollout/time_s")),
-                    sum(_value(r, "rollout/time_s") for r in records
-                        if _finite(r, "bubble/ratio", "rollout/time_s")))
+        return weighted_mean_of(records, "bubble/ratio", "rollout/time_s")
 
-    lrs = [x for x in (_value(r, "train/lr") for r in on) if math.isfinite(x)]
+    lrs = finite_values(value(r, "train/lr") for r in on)
     return {
         "steps": len(on),
         "steps_compared": len(on1),
         "decode_steps_on": dec_on,
         "decode_steps_off": dec_off,
-        "decode_steps_ratio": _div(dec_on, dec_off),
+        "decode_steps_ratio": ratio(dec_on, dec_off),
         "rollout_time_on_s": t_on,
         "rollout_time_off_s": t_off,
         "verify_time_on_s": verify,
-        "rollout_time_ratio": _div(t_on, t_off),
-        "throughput_ratio": _div(t_off, t_on),
-        "throughput_ratio_with_verify": _div(t_off, t_on + verify_0),
-        "verify_overhead_frac": _div(verify, t_on),
+        "rollout_time_ratio": ratio(t_on, t_off),
+        "throughput_ratio": ratio(t_off, t_on),
+        "throughput_ratio_with_verify": ratio(t_off, t_on + verify_0),
+        "verify_overhead_frac": ratio(verify, t_on),
         "bubble_ratio_off": bubble_ratio(off),
         "bubble_ratio_on": bubble_ratio(on),
-        "bubble_utilization": _div(_sum(on, "bubble/drafting_s"), _sum(on, "bubble/idle_s")),
-        "accepted_prefix_mean": _weighted_mean(on, "spec/accepted_prefix_mean",
+        "bubble_utilization": ratio(total_of(on, "bubble/drafting_s"), total_of(on, "bubble/idle_s")),
+        "accepted_prefix_mean": weighted_mean_of(on, "spec/accepted_prefix_mean",
                                                "spec/drafted_samples"),
-        "accept_rate": _div(_sum(on, "spec/accepted_tokens"), _sum(on, "spec/drafted_tokens")),
-        "drafted_tokens": _sum(on, "spec/drafted_tokens"),
-        "accepted_tokens": _sum(on, "spec/accepted_tokens"),
-        "reward_mean_on": _mean(on, "train/reward_mean"),
-        "reward_mean_off": _mean(off, "train/reward_mean"),
+        "accept_rate": ratio(total_of(on, "spec/accepted_tokens"), total_of(on, "spec/drafted_tokens")),
+        "drafted_tokens": total_of(on, "spec/drafted_tokens"),
+        "accepted_tokens": total_of(on, "spec/accepted_tokens"),
+        "reward_mean_on": mean_of(on, "train/reward_mean"),
+        "reward_mean_off": mean_of(off, "train/reward_mean"),
         "lr": lrs[-1] if lrs else math.nan,
-        "policy_drift_kl_mean": _mean(on, "policy/drift_kl"),
-        "policy_drift_kl_mean_off": _mean(off, "policy/drift_kl"),
+        "policy_drift_kl_mean": mean_of(on, "policy/drift_kl"),
+        "policy_drift_kl_mean_off": mean_of(off, "policy/drift_kl"),
     }
 
 
@@ -251,8 +214,8 @@ def markdown_steps(on: Sequence[Record], off: Sequence[Record]) -> str:
         b = off[step] if step < len(off) else {}
         row = [str(step)]
         for _, key, fmt in STEP_COLUMNS:
-            row += [fmt(_value(a, key)), fmt(_value(b, key))]
-        row += [fmt(_value(a, key)) for _, key, fmt in STEP_COLUMNS_ON]
+            row += [fmt(value(a, key)), fmt(value(b, key))]
+        row += [fmt(value(a, key)) for _, key, fmt in STEP_COLUMNS_ON]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 

@@ -20,7 +20,7 @@ from megatron_bubblespec.rollout.base import RolloutRequest, RolloutResult
 from megatron_bubblespec.sampling import sample_key
 from megatron_bubblespec.spec.drafts import exchange, select_drafts
 from megatron_bubblespec.train.grpo import group_advantages
-from megatron_bubblespec.train.trainer import GRPOBatch, logprob_abs_diff
+from megatron_bubblespec.train.trainer import GRPOBatch, gather_responses, logprob_abs_diff
 
 
 GAP_WARNING = 1e-2  # max |engine - Megatron| token logprob that float differences explain
@@ -33,14 +33,16 @@ class StepOutput:
     rollouts: dict[int, list[int]]  # global sample index -> response tokens
 
 
-def _requests(rep: Replica, step: int, sample_range, slots, max_new: int, tag: str):
-    out = []
-    for g, (prompt_index, sample_index) in zip(sample_range, slots):
-        prompt = rep.task.prompt(prompt_index)
-        out.append(RolloutRequest(f"{tag}{step}-{g}", list(prompt.token_ids),
-                                  sample_key(rep.cfg.run.seed, step, prompt.uid, sample_index),
-                                  max_new, eos_token_ids=tuple(rep.task.eos_token_ids)))
-    return out
+def _key(rep: Replica, step: int, prompt_index: int, sample_index: int) -> int:
+    return sample_key(rep.cfg.run.seed, step, rep.task.prompt(prompt_index).uid, sample_index)
+
+
+def _request(rep: Replica, step: int, g: int, prompt_index: int, sample_index: int,
+             max_new: int, tag: str) -> RolloutRequest:
+    """Global sample ``g`` of ``step``: its prompt, its key, its budget."""
+    return RolloutRequest(f"{tag}{step}-{g}", list(rep.task.prompt(prompt_index).token_ids),
+                          _key(rep, step, prompt_index, sample_index), max_new,
+                          eos_token_ids=tuple(rep.task.eos_token_ids))
 
 
 def verify_drafts(rep: Replica, requests: list[RolloutRequest], sample_range) -> tuple[list, dict]:
@@ -107,8 +109,7 @@ def bubble_and_exchange(rep: Replica, step: int) -> dict:
 
     def next_request(g: int) -> RolloutRequest:
         slot = nxt.slot(g)
-        return _requests(rep, step + 1, [g], [(slot.prompt_index, slot.sample_index)], budget,
-                         "draft")[0]
+        return _request(rep, step + 1, g, slot.prompt_index, slot.sample_index, budget, "draft")
 
     drafts, stats = rep.drafter.arrive_and_draft(step, nxt.num_samples,
                                                   next_request if drafting else None,
@@ -117,13 +118,15 @@ def bubble_and_exchange(rep: Replica, step: int) -> dict:
 
     everyone = exchange(drafts, group=ps.get_data_parallel_group()) if drafting else []
     mine = nxt.rank_sample_range(rep.dp_rank)
-    expected = {g: next_request(g).key for g in mine} if drafting else {}
+    expected = {g: _key(rep, step + 1, nxt.slot(g).prompt_index, nxt.slot(g).sample_index)
+                for g in mine} if drafting else {}
     rep.pending_drafts = select_drafts(everyone, expected, rep.spec.vocab_size, budget)
     return {"bubble/idle_s": stats.idle_s, "bubble/drafting_s": stats.drafting_s,
             "bubble/overshoot_s": stats.overshoot_s}
 
 
-def learn(rep: Replica, prompts: list[list[int]], results: list[RolloutResult], rewards) -> dict:
+def learn(rep: Replica, prompts: list[list[int]], results: list[RolloutResult],
+          rewards) -> tuple[dict, dict]:
     """Stage 5: group advantages -> GRPO step on Megatron; engine-vs-Megatron gap and policy drift."""
     n = rep.cfg.rollout.samples_per_prompt
     advantages = group_advantages(torch.tensor(rewards), n,
@@ -132,7 +135,7 @@ def learn(rep: Replica, prompts: list[list[int]], results: list[RolloutResult], 
                                      [r.logprobs for r in results], advantages)
     trainer = rep.trainer
     before = trainer.logprobs(batch.tokens, batch.response_mask)
-    gap = logprob_abs_diff([r.logprobs for r in results], _per_response(before, batch))
+    gap = logprob_abs_diff([r.logprobs for r in results], gather_responses(before, batch.response_mask))
     if gap > GAP_WARNING:
         warnings.warn(f"rollout engine and Megatron disagree on the rollout tokens' logprobs by "
                       f"{gap:.3g} (> {GAP_WARNING}): the engine is not running the trainer's "
@@ -143,12 +146,6 @@ def learn(rep: Replica, prompts: list[list[int]], results: list[RolloutResult], 
     # k3 estimator of KL(pi_t || pi_t+1) on tokens drawn from pi_t: non-negative, unbiased.
     drift = float(((delta.exp() - 1 - delta) * mask).sum() / mask.sum().clamp_min(1))
     return {"sync/logprob_abs_diff": gap, "policy/drift_kl": drift}, metrics
-
-
-def _per_response(token_aligned: torch.Tensor, batch: GRPOBatch) -> list[list[float]]:
-    from megatron_bubblespec.train.trainer import gather_responses
-
-    return gather_responses(token_aligned, batch.response_mask)
 
 
 def reshard(rep: Replica) -> dict:
@@ -170,7 +167,8 @@ def run_step(rep: Replica, step: int) -> StepOutput:
     batch = rep.sampler.batch(step)
     sample_range = batch.rank_sample_range(rep.dp_rank)
     slots = batch.rank_samples(rep.dp_rank)
-    requests = _requests(rep, step, sample_range, slots, cfg.rollout.max_new_tokens, "s")
+    requests = [_request(rep, step, g, prompt_index, sample_index, cfg.rollout.max_new_tokens, "s")
+                for g, (prompt_index, sample_index) in zip(sample_range, slots)]
 
     requests, spec_metrics = verify_drafts(rep, requests, sample_range)              # 1 verify
     if rep.is_leader:

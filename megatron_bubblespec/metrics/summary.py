@@ -15,42 +15,10 @@ from rich.table import Table
 
 from megatron_bubblespec.metrics.formatting import (count, number, percent, scientific, seconds,
                                                      value)
+from megatron_bubblespec.metrics.reduce import (finite_values, mean_of, pooled_ratio, total_of,
+                                               weighted_mean_of)
 
 Record = Mapping[str, object]
-
-
-def _finite(xs) -> list[float]:
-    return [x for x in xs if not math.isnan(x)]
-
-
-def _mean(records: Sequence[Record], key: str) -> float:
-    xs = _finite(value(r, key) for r in records)
-    return sum(xs) / len(xs) if xs else math.nan
-
-
-def _total(records: Sequence[Record], key: str) -> float:
-    xs = _finite(value(r, key) for r in records)
-    return sum(xs) if xs else math.nan
-
-
-def _pooled(records: Sequence[Record], num: str, den: str) -> float:
-    """sum(num) / sum(den) over the steps reporting both."""
-    top = bottom = 0.0
-    for r in records:
-        n, d = value(r, num), value(r, den)
-        if not (math.isnan(n) or math.isnan(d)):
-            top, bottom = top + n, bottom + d
-    return top / bottom if bottom else math.nan
-
-
-def _weighted_mean(records: Sequence[Record], key: str, weight: str) -> float:
-    """sum(key * weight) / sum(weight) over the steps reporting both."""
-    top = bottom = 0.0
-    for r in records:
-        x, w = value(r, key), value(r, weight)
-        if not (math.isnan(x) or math.isnan(w)):
-            top, bottom = top + x * w, bottom + w
-    return top / bottom if bottom else math.nan
 
 
 def run_totals(records: Sequence[Record]) -> dict[str, float]:
@@ -61,18 +29,18 @@ def run_totals(records: Sequence[Record]) -> dict[str, float]:
     time (= total idle / (ranks * total rollout time)); utilization = total drafting / total idle.
     """
     return {
-        "train/reward_mean": _mean(records, "train/reward_mean"),
-        "train/loss": _mean(records, "train/loss"),
-        "rollout/time_s": _total(records, "rollout/time_s"),
-        "rollout/decode_steps": _total(records, "rollout/decode_steps"),
-        "spec/drafted_tokens": _total(records, "spec/drafted_tokens"),
-        "spec/accepted_tokens": _total(records, "spec/accepted_tokens"),
-        "spec/accept_rate": _pooled(records, "spec/accepted_tokens", "spec/drafted_tokens"),
+        "train/reward_mean": mean_of(records, "train/reward_mean"),
+        "train/loss": mean_of(records, "train/loss"),
+        "rollout/time_s": total_of(records, "rollout/time_s"),
+        "rollout/decode_steps": total_of(records, "rollout/decode_steps"),
+        "spec/drafted_tokens": total_of(records, "spec/drafted_tokens"),
+        "spec/accepted_tokens": total_of(records, "spec/accepted_tokens"),
+        "spec/accept_rate": pooled_ratio(records, "spec/accepted_tokens", "spec/drafted_tokens"),
         "spec/decode_steps_saved_frac":
-            1.0 - _pooled(records, "rollout/decode_steps", "rollout/decode_steps_plain"),
-        "bubble/ratio": _weighted_mean(records, "bubble/ratio", "rollout/time_s"),
-        "bubble/utilization": _pooled(records, "bubble/drafting_s", "bubble/idle_s"),
-        "policy/drift_kl": _mean(records, "policy/drift_kl"),
+            1.0 - pooled_ratio(records, "rollout/decode_steps", "rollout/decode_steps_plain"),
+        "bubble/ratio": weighted_mean_of(records, "bubble/ratio", "rollout/time_s"),
+        "bubble/utilization": pooled_ratio(records, "bubble/drafting_s", "bubble/idle_s"),
+        "policy/drift_kl": mean_of(records, "policy/drift_kl"),
     }
 
 
@@ -135,7 +103,7 @@ def _legend(*axes) -> None:
 
 def _headroom(ax, values: Sequence[float], fraction: float = 0.35) -> None:
     """y from 0 with space above the data for the legend."""
-    top = max(_finite(values), default=0.0)
+    top = max(finite_values(values), default=0.0)
     ax.set_ylim(0, (top or 1.0) * (1 + fraction))
 
 
@@ -163,7 +131,7 @@ def plot_run(records: Sequence[Record], path_png: str | Path,
     _, drafting = _series(records, "bubble/drafting_s")
     ax_bub.set_title(f"Bubble time per step (bubble {percent(totals['bubble/ratio'])} of rollout, "
                      f"{percent(totals['bubble/utilization'])} used for drafting)")
-    if _finite(idle):
+    if finite_values(idle):
         ax_bub.bar(steps, idle, width=0.8, color="#f4a261", label="idle at the barrier")
         ax_bub.bar(steps, drafting, width=0.5, color="#2a6f97", label="drafting in the bubble")
     else:
@@ -177,7 +145,7 @@ def plot_run(records: Sequence[Record], path_png: str | Path,
     ax_acc.set_title("Draft acceptance" + _run_value(totals["spec/accept_rate"],
                                                      "of drafted tokens"))
     ax_prefix = ax_acc.twinx()
-    if _finite(accept) or _finite(prefix):
+    if finite_values(accept) or finite_values(prefix):
         ax_acc.plot(steps, accept, "o-", color="#2a9d8f", label="accept rate (left)")
         ax_prefix.plot(steps, prefix, "s--", color="#6d597a", label="accepted prefix mean (right)")
     else:
@@ -194,7 +162,7 @@ def plot_run(records: Sequence[Record], path_png: str | Path,
     ax_dec.set_title("Decode steps saved by drafts"
                      + _run_value(totals["spec/decode_steps_saved_frac"], "saved"))
     ax_steps = ax_dec.twinx()
-    if _finite(saved):
+    if finite_values(saved):
         ax_dec.bar(steps, saved, width=0.6, color="#8ecae6", label="saved fraction (left)")
     else:
         _no_data(ax_dec, "decode-step savings")
@@ -215,7 +183,7 @@ def plot_run(records: Sequence[Record], path_png: str | Path,
 
     _, drift = _series(records, "policy/drift_kl")
     ax_kl.set_title("Policy drift between consecutive steps")
-    if _finite(drift):
+    if finite_values(drift):
         ax_kl.plot(steps, drift, "o-", color="#bc4749",
                    label="KL between the policies of steps t-1 and t")
         _headroom(ax_kl, drift)

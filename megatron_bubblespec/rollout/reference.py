@@ -22,6 +22,7 @@ from megatron_bubblespec.rollout.torch_llama import TorchLlama
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.spec.pool import DraftPool
 from megatron_bubblespec.spec.verify import verify_keyed
+from megatron_bubblespec.tokens import pad_token_rows
 
 
 @dataclass
@@ -43,10 +44,13 @@ class _Running:
         return self.request.prompt_token_ids + self.response
 
 
-def _pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    tokens = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int64)
-    return tokens, torch.tensor([len(r) for r in rows])
+def _logprobs_of(logits: torch.Tensor, tokens: list[int]) -> list[float]:
+    """log_softmax(logits[j])[tokens[j]] for logits [n, V], without a log-softmax copy of [n, V]."""
+    if not tokens:
+        return []
+    logits = logits[:len(tokens)].float()
+    chosen = logits.gather(-1, torch.tensor(tokens).view(-1, 1)).squeeze(-1)
+    return (chosen - torch.logsumexp(logits, dim=-1)).tolist()
 
 
 class ReferenceEngine(RolloutEngine):
@@ -115,7 +119,7 @@ class ReferenceEngine(RolloutEngine):
         slots = [self.model.cache.acquire() for _ in requests]
         try:
             rows = [r.prompt_token_ids + r.response_prefix + d for r, d in zip(requests, drafts)]
-            tokens, lengths = _pad(rows)
+            tokens, lengths = pad_token_rows(rows)
             logits = self.model.forward(tokens, torch.tensor(slots), torch.zeros_like(lengths),
                                         lengths)
             width = max(len(d) for d in drafts) + 1
@@ -123,8 +127,8 @@ class ReferenceEngine(RolloutEngine):
                                    for r in requests])
             index = (starts.view(-1, 1) + torch.arange(width)).clamp(max=tokens.shape[1] - 1)
             target = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-            draft_tokens, draft_lens = _pad([d + [0] for d in drafts])
-            return verify_keyed(target, draft_tokens[:, :-1], draft_lens - 1,
+            draft_tokens, draft_lens = pad_token_rows(drafts)
+            return verify_keyed(target, draft_tokens, draft_lens,
                                 torch.tensor([r.key for r in requests]),
                                 torch.tensor([len(r.response_prefix) for r in requests]), params,
                                 set().union(*(r.eos_token_ids for r in requests)))
@@ -143,14 +147,12 @@ class ReferenceEngine(RolloutEngine):
 
     def _prefill(self, states: list[_Running]) -> None:
         """One forward over prompt + fixed prefix: the prefix's logprobs and the first new token."""
-        tokens, lengths = _pad([s.context for s in states])
+        tokens, lengths = pad_token_rows([s.context for s in states])
         logits = self.model.forward(tokens, torch.tensor([s.slot for s in states]),
                                     torch.zeros_like(lengths), lengths)
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
         for row, s in enumerate(states):
             prompt_len = len(s.request.prompt_token_ids)
-            s.logprobs = [float(logprobs[row, prompt_len - 1 + j, tok])
-                          for j, tok in enumerate(s.response)]
+            s.logprobs = _logprobs_of(logits[row, prompt_len - 1:], s.response)
             s.cached = len(s.context)
         ready = [row for row, s in enumerate(states) if not self._check_done(s)]
         if ready:
@@ -164,7 +166,7 @@ class ReferenceEngine(RolloutEngine):
             k = min(self.spec_k, budget)
             proposals.append(s.pool.propose(s.context, k) if s.pool is not None and k > 0 else [])
         rows = [[s.context[-1]] + p for s, p in zip(states, proposals)]
-        tokens, lengths = _pad(rows)
+        tokens, lengths = pad_token_rows(rows)
         starts = torch.tensor([s.cached for s in states])
         logits = self.model.forward(tokens, torch.tensor([s.slot for s in states]), starts, lengths)
         for s in states:
@@ -173,24 +175,23 @@ class ReferenceEngine(RolloutEngine):
 
     def _emit(self, states: list[_Running], logits: torch.Tensor, proposals: list[list[int]]):
         """Keyed verification of the proposals (plain decoding when there are none)."""
-        draft, lens = _pad([p + [0] for p in proposals])
-        result = verify_keyed(logits, draft[:, :-1], lens - 1,
+        draft, lens = pad_token_rows(proposals, width=logits.shape[1] - 1)
+        result = verify_keyed(logits, draft, lens,
                               torch.tensor([s.request.key for s in states]),
                               torch.tensor([len(s.response) for s in states]),
                               self._same_params(states),
                               set().union(*(s.request.eos_token_ids for s in states)))
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
         for row, (s, proposal) in enumerate(zip(states, proposals)):
             n = int(result.accepted[row])
             new = proposal[:n] + ([int(result.next_token[row])]
                                   if int(result.next_token[row]) >= 0 else [])
             s.proposed += len(proposal)
             s.accepted += n
-            for j, tok in enumerate(new):
+            for tok, logprob in zip(new, _logprobs_of(logits[row], new)):
                 if self._check_done(s):
                     break
                 s.response.append(tok)
-                s.logprobs.append(float(logprobs[row, j, tok]))
+                s.logprobs.append(logprob)
             s.cached = len(s.context) - 1  # the newest token is fed (and cached) next step
             self._check_done(s)
 

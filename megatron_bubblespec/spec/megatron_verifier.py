@@ -36,6 +36,7 @@ import torch
 from megatron_bubblespec.rollout.base import RolloutRequest
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.spec.verify import NO_TOKEN, Verification, verify_keyed
+from megatron_bubblespec.tokens import pad_token_rows
 from megatron_bubblespec.train.forward import megatron_forward
 
 PAD_ID = 0
@@ -186,7 +187,4 @@ class MegatronVerifier:
         if getattr(config, "sequence_parallel", False):
             tp = ps.get_tensor_model_parallel_world_size()
             width = -(-width // tp) * tp
-        tokens = torch.full((batch, width), PAD_ID, dtype=torch.int64)
-        for i, row in enumerate(rows):
-            tokens[i, :len(row)] = torch.tensor(row, dtype=torch.int64)
-        return tokens
+        return pad_token_rows(rows, PAD_ID, width=width, batch=batch)[0]

@@ -14,14 +14,6 @@ import torch
 from megatron_bubblespec.distributed.cpu_compat import megatron_cpu_mode
 
 
-def pad_batch(rows: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    tokens = torch.full((len(rows), width), pad_id, dtype=torch.int64)
-    for i, r in enumerate(rows):
-        tokens[i, :len(r)] = torch.tensor(r, dtype=torch.int64)
-    return tokens, torch.tensor([len(r) for r in rows])
-
-
 def megatron_forward(model, tokens: torch.Tensor, on_logits: Callable[[torch.Tensor, slice], object],
                      micro_batch_size: int | None = None) -> list | None:
     """Run ``model`` over ``tokens`` [B, S]; returns [on_logits(logits_mb, rows_mb), ...] on the

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from megatron_bubblespec.distributed.cpu_compat import megatron_cpu_mode
 from megatron_bubblespec.models.architecture import ModelSpec
+from megatron_bubblespec.tokens import pad_token_rows
 from megatron_bubblespec.train.forward import megatron_forward
 from megatron_bubblespec.train.grpo import GRPOConfig, grpo_loss
 
@@ -123,14 +124,14 @@ def pack_sequences(prompts: list[list[int]], responses: list[list[int]],
     """Prompt and response token lists -> right-padded tokens [B, S] and the response mask."""
     if len(prompts) != len(responses):
         raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
-    width = max(len(p) + len(r) for p, r in zip(prompts, responses))
-    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
-    mask = torch.zeros((len(prompts), width), dtype=torch.float32)
-    for i, (prompt, response) in enumerate(zip(prompts, responses)):
+    for i, prompt in enumerate(prompts):
         if not prompt:
             raise ValueError(f"sequence {i} has an empty prompt")
-        tokens[i, :len(prompt) + len(response)] = torch.tensor(list(prompt) + list(response))
-        mask[i, len(prompt):len(prompt) + len(response)] = 1.0
+    tokens, lengths = pad_token_rows([list(p) + list(r) for p, r in zip(prompts, responses)],
+                                     pad_id)
+    position = torch.arange(tokens.shape[1])
+    starts = torch.tensor([len(p) for p in prompts]).view(-1, 1)
+    mask = ((position >= starts) & (position < lengths.view(-1, 1))).to(torch.float32)
     return tokens, mask
 
 
