@@ -20,7 +20,7 @@ def test_defaults_and_overrides(tmp_path):
     (["rollout.engine=sglang"], "rollout.engine"),
     (["rollout.top_p=1.5"], "rollout.top_p"),
     (["rollout.samples_per_prompt=1"], "rollout.samples_per_prompt"),
-    (["parallel.tensor=2"], "parallel.tensor x parallel.pipeline x parallel.data"),
+    (["parallel.tensor=2"], "parallel.tensor x parallel.pipeline x parallel.context x parallel.data"),
     (["rollout.prompts_per_step=3"], "rollout.prompts_per_step"),
     (["spec.rule=lenient"], "spec.rule"),
     (["noequals"], "key=value"),

@@ -68,17 +68,33 @@ def validate(cfg: Config) -> None:
         if not ok(value):
             raise ConfigError(f"{key}={value!r} must be {what}")
     p = cfg.parallel
-    if p.tensor * p.pipeline * p.data != p.world_size:
+    if p.tensor * p.pipeline * p.context * p.data != p.world_size:
         raise ConfigError(
-            f"parallel.tensor x parallel.pipeline x parallel.data = {p.tensor} x {p.pipeline} x "
-            f"{p.data} = {p.tensor * p.pipeline * p.data} != parallel.world_size = {p.world_size}; "
-            "make the product equal the number of processes")
+            f"parallel.tensor x parallel.pipeline x parallel.context x parallel.data = {p.tensor} x "
+            f"{p.pipeline} x {p.context} x {p.data} = {p.tensor * p.pipeline * p.context * p.data} "
+            f"!= parallel.world_size = {p.world_size}; make the product equal the number of processes")
+    if p.context > 1:
+        raise ConfigError(f"parallel.context={p.context}: the verifier needs whole sequences on a "
+                          "rank and context parallelism is not wired into the loop yet; use "
+                          "parallel.context=1 (long contexts: raise parallel.tensor/pipeline)")
+    if cfg.rollout.tensor_parallel > 1:
+        raise ConfigError(f"rollout.tensor_parallel={cfg.rollout.tensor_parallel}: each model "
+                          "replica runs one single-GPU rollout engine for now; use "
+                          "rollout.tensor_parallel=1")
     if cfg.rollout.prompts_per_step % p.data:
         raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible "
                           f"by parallel.data={p.data} (each DP rank gets whole prompt groups)")
     if cfg.spec.enabled and cfg.spec.rule != "keyed":
-        raise ConfigError(f"spec.rule={cfg.spec.rule!r} is an ablation-only rule (the lenient one is "
-                          "inexact); the training loop verifies with spec.rule=keyed")
+        # residual/lenient need the drafter's full distribution q for every draft token.
+        if cfg.rollout.engine != "reference" or p.tensor != 1 or p.pipeline != 1:
+            raise ConfigError(f"spec.rule={cfg.spec.rule!r} (an ablation rule) needs the drafts' "
+                              "distributions: use rollout.engine=reference with parallel.tensor=1 "
+                              "and parallel.pipeline=1, or spec.rule=keyed")
+        if cfg.spec.speculative_continuation:
+            raise ConfigError(f"spec.rule={cfg.spec.rule!r}: speculative continuation verifies with "
+                              "the keyed rule; set spec.speculative_continuation=false")
+        if cfg.rollout.temperature == 0:
+            raise ConfigError(f"spec.rule={cfg.spec.rule!r} needs rollout.temperature > 0")
     if cfg.train.kl_coef != 0.0:
         raise ConfigError(f"train.kl_coef={cfg.train.kl_coef}: a KL penalty needs a frozen reference "
                           "policy, which the loop does not keep yet; use train.kl_coef=0")

@@ -19,6 +19,9 @@ class RunConfig:
     output_dir: str = "runs"
     resume: str = "none"            # none | auto | PATH of a checkpoint
     checkpoint_every: int = 0       # steps; 0 = only at the end
+    checkpoint_dir: str = ""        # default: <output_dir>/<name>/checkpoints
+    keep_checkpoints: int = 2       # complete checkpoints kept (older ones are deleted)
+    stall_timeout_s: float = 0.0    # no-progress watchdog: abort when no stage ends for this long (0 = off)
 
 
 @dataclass
@@ -39,6 +42,8 @@ class ParallelConfig:
     tensor: int = 1
     pipeline: int = 1
     data: int = 2
+    context: int = 1                # context parallelism of the training forward/backward (GPU)
+    sequence_parallel: bool = False # Megatron sequence parallelism inside the TP group
 
 
 @dataclass
@@ -50,7 +55,10 @@ class RolloutConfig:
     max_new_tokens: int = 64
     samples_per_prompt: int = 4
     prompts_per_step: int = 4       # global, over all DP ranks
-    kv_cache_mb: int = 256
+    kv_cache_mb: int = 256          # CPU: KV cache size; GPU: see gpu_memory_utilization
+    tensor_parallel: int = 1        # vLLM TP of one rollout engine (GPU)
+    gpu_memory_utilization: float = 0.5  # fraction of a GPU vLLM may take (GPU)
+    max_num_batched_tokens: int = 8192   # vLLM chunked-prefill budget per engine step (GPU)
 
 
 @dataclass
@@ -65,6 +73,8 @@ class SpecConfig:
     min_match: int = 2
     max_match: int = 8
     barrier_timeout_s: float = 600.0
+    draft_source: str = "bubble"    # bubble (BubbleSpec) | previous_epoch (SPEC-RL-like, ablation)
+    draft_lookahead: int = 1        # bubble drafts are made for step t + k (k > 1: staler drafts)
 
 
 @dataclass
@@ -81,7 +91,8 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    task: str = "synthetic"         # synthetic | arithmetic | gsm8k
+    task: str = "synthetic"         # synthetic | arithmetic | gsm8k | jsonl
+    path: str = ""                  # jsonl: a file of {"question": ..., "answer": ...} rows
     split: str = "train"
     size: int = 512                 # prompts of the synthetic tasks
     max_prompt_tokens: int = 256
@@ -111,7 +122,8 @@ CHOICES = {
     "rollout.engine": ("vllm", "reference"),
     "spec.rule": ("keyed", "residual", "lenient"),
     "spec.verifier": ("megatron", "engine"),
-    "data.task": ("synthetic", "arithmetic", "gsm8k"),
+    "data.task": ("synthetic", "arithmetic", "gsm8k", "jsonl"),
+    "spec.draft_source": ("bubble", "previous_epoch"),
     "data.split": ("train", "test"),
     "model.dtype": ("float32", "float64", "bfloat16"),
 }
@@ -138,4 +150,11 @@ BOUNDS = {
     "train.micro_batch_size": (lambda v: v >= 1, ">= 1"),
     "train.clip_eps": (lambda v: v > 0, "> 0"),
     "model.max_model_len": (lambda v: v >= 16, ">= 16"),
+    "parallel.context": (lambda v: v >= 1, ">= 1"),
+    "rollout.tensor_parallel": (lambda v: v >= 1, ">= 1"),
+    "rollout.gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "rollout.max_num_batched_tokens": (lambda v: v >= 16, ">= 16"),
+    "spec.draft_lookahead": (lambda v: v >= 1, ">= 1"),
+    "run.keep_checkpoints": (lambda v: v >= 1, ">= 1"),
+    "run.stall_timeout_s": (lambda v: v >= 0, ">= 0 (0 = off)"),
 }
