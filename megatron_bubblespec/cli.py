@@ -33,17 +33,26 @@ def cmd_info(_args) -> int:
 
 
 def cmd_train(args) -> int:
-    """Train with GRPO (BubbleSpec on unless spec.enabled=false); launches the ranks itself."""
+    """Train with GRPO (BubbleSpec on unless spec.enabled=false); launches the ranks itself.
+    Exit codes: 0 done, 1 a rank failed, 2 bad config or inputs, 75 preempted (checkpoint
+    written; resume with run.resume=auto)."""
     from megatron_bubblespec.config import ConfigError, load_config
+    from megatron_bubblespec.config.preflight import preflight
 
     try:
         cfg = load_config(args.config, args.overrides)
+        preflight(cfg)
     except ConfigError as err:
         print(f"bubblespec train: config error: {err}", file=sys.stderr)
         return 2
+    from megatron_bubblespec.distributed.launch import RankFailure
     from megatron_bubblespec.loop.train import train
 
-    train(cfg)
+    try:
+        train(cfg)
+    except RankFailure as failure:
+        print(f"bubblespec train: {failure}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -70,7 +70,8 @@ def _corrupted_drafts_worker(cfg):
     run_step(replica, 0)
     g = torch.Generator().manual_seed(replica.dp_rank)
     vocab = replica.spec.vocab_size
-    for index, draft in list(replica.pending_drafts.items()):
+    pending = replica.draft_queue[1]
+    for index, draft in list(pending.items()):
         kind = index % 3
         if kind == 0:    # wrong tokens
             tokens = tuple(torch.randint(0, vocab, (len(draft.tokens),), generator=g).tolist())
@@ -78,8 +79,7 @@ def _corrupted_drafts_worker(cfg):
             tokens = (vocab + 5, -3, 7)
         else:            # a draft claiming another weight version
             tokens = draft.tokens
-        replica.pending_drafts[index] = Draft(index, draft.key, 999 if kind == 2 else draft.weight_version,
-                                              tokens)
+        pending[index] = Draft(index, draft.key, 999 if kind == 2 else draft.weight_version, tokens)
     out = run_step(replica, 1)
     _shutdown(replica)
     return out.rollouts
@@ -97,7 +97,7 @@ def test_corrupted_drafts_change_no_token(runs, tmp_path):
 @pytest.mark.parametrize("override,key", [
     ("spec.enable=false", "spec.enable"),
     ("rollout.temperature=warm", "rollout.temperature"),
-    ("parallel.tensor=2", "parallel.tensor x parallel.pipeline x parallel.data"),
+    ("parallel.tensor=2", "parallel.tensor x parallel.pipeline x parallel.context x parallel.data"),
 ])
 def test_config_errors_exit_before_any_process_starts(override, key):
     proc = subprocess.run([sys.executable, "-m", "megatron_bubblespec.cli", "train", "--config",

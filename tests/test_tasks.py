@@ -118,7 +118,7 @@ def test_make_task():
     task = make_task("synthetic-arithmetic", seed=1, size=8)
     assert isinstance(task, SyntheticArithmeticTask) and task.size == 8
     with pytest.raises(ValueError, match="unknown task 'gsm9k': valid names are arithmetic_word, "
-                                         "gsm8k, synthetic_arithmetic"):
+                                         "gsm8k, jsonl, synthetic_arithmetic"):
         make_task("gsm9k")
 
 

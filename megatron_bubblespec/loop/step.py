@@ -18,7 +18,7 @@ from megatron_bubblespec.loop.replica import Replica
 from megatron_bubblespec.metrics import decode_steps_plain
 from megatron_bubblespec.rollout.base import RolloutRequest, RolloutResult
 from megatron_bubblespec.sampling import sample_key
-from megatron_bubblespec.spec.drafts import exchange, select_drafts
+from megatron_bubblespec.spec.drafts import Draft, exchange, select_drafts
 from megatron_bubblespec.train.grpo import group_advantages
 from megatron_bubblespec.train.trainer import GRPOBatch, gather_responses, logprob_abs_diff
 
@@ -45,24 +45,32 @@ def _request(rep: Replica, step: int, g: int, prompt_index: int, sample_index: i
                           eos_token_ids=tuple(rep.task.eos_token_ids))
 
 
-def verify_drafts(rep: Replica, requests: list[RolloutRequest], sample_range) -> tuple[list, dict]:
+def verify_drafts(rep: Replica, requests: list[RolloutRequest], sample_range,
+                  pending: dict[int, Draft]) -> tuple[list, dict]:
     """Stage 1: the step-t policy (Megatron) checks the drafts of my samples -> fixed prefixes.
 
     Only samples that have a draft are verified (one forward over prompt + draft each); the others
     go to the engine unchanged, which draws the same first token the verifier would have."""
-    drafted = [i for i, g in enumerate(sample_range)
-               if g in rep.pending_drafts and rep.pending_drafts[g].tokens]
-    drafts = [list(rep.pending_drafts[sample_range[i]].tokens) for i in drafted]
+    drafted = [i for i, g in enumerate(sample_range) if g in pending and pending[g].tokens]
+    drafts = [list(pending[sample_range[i]].tokens) for i in drafted]
     metrics = {"spec/drafted_samples": len(drafts), "spec/drafted_tokens": sum(map(len, drafts)),
                "spec/accepted_tokens": 0, "spec/verify_s": 0.0}
     if not drafts:
         return requests, metrics
-    result = rep.verifier.verify([requests[i] for i in drafted], drafts, rep.params,
-                                 micro_batch_size=rep.cfg.train.micro_batch_size)
+    spec = rep.cfg.spec
+    if spec.rule == "keyed":
+        result = rep.verifier.verify([requests[i] for i in drafted], drafts, rep.params,
+                                     micro_batch_size=rep.cfg.train.micro_batch_size)
+        verify_s = rep.verifier.last_seconds
+    else:  # ablation rules: the reference engine holds both policies (TP = PP = 1)
+        start = time.perf_counter()
+        result = rep.engine.verify([requests[i] for i in drafted], drafts, rep.params,
+                                   rule=spec.rule, lenience=spec.lenience)
+        verify_s = time.perf_counter() - start
     width = max(map(len, drafts))
     verified = result.tokens(torch.tensor([d + [0] * (width - len(d)) for d in drafts]))
     metrics.update({"spec/accepted_tokens": int(result.accepted.sum()),
-                    "spec/verify_s": rep.verifier.last_seconds,
+                    "spec/verify_s": verify_s,
                     "spec/accepted_prefix_mean": float(result.accepted.float().mean())})
     fixed = list(requests)
     for i, tokens in zip(drafted, verified):
@@ -73,12 +81,12 @@ def verify_drafts(rep: Replica, requests: list[RolloutRequest], sample_range) ->
     return fixed, metrics
 
 
-def with_draft_pools(rep: Replica, requests, sample_range, slots):
+def with_draft_pools(requests, sample_range, slots, pending: dict[int, Draft]):
     """Speculative continuation: each sample may keep proposing from its prompt's drafts."""
     pools: dict[int, list[list[int]]] = {}
     for g, (prompt_index, _) in zip(sample_range, slots):
-        if g in rep.pending_drafts:
-            pools.setdefault(prompt_index, []).append(list(rep.pending_drafts[g].tokens))
+        if g in pending:
+            pools.setdefault(prompt_index, []).append(list(pending[g].tokens))
     for request, (prompt_index, _) in zip(requests, slots):
         request.draft_pool = pools.get(prompt_index, [])
     return requests
@@ -100,29 +108,69 @@ def rollout(rep: Replica, requests) -> tuple[list[RolloutResult], float]:
 
 
 def bubble_and_exchange(rep: Replica, step: int) -> dict:
-    """Stages 3-4: draft step t+1's samples while waiting at the DP barrier, then all-gather the
-    drafts and keep the ones of my step-(t+1) samples."""
+    """Stages 3-4: draft step t+k's samples while waiting at the DP barrier (k =
+    ``spec.draft_lookahead``, 1 for BubbleSpec), then all-gather the drafts and queue the ones of
+    my step-(t+k) samples."""
     cfg = rep.cfg
-    nxt = rep.sampler.batch(step + 1)
-    drafting = cfg.spec.enabled and step + 1 < cfg.run.steps and cfg.spec.max_draft_tokens > 0
-    budget = min(cfg.spec.max_draft_tokens, cfg.rollout.max_new_tokens)
+    target = step + cfg.spec.draft_lookahead
+    nxt = rep.sampler.batch(target)
+    drafting = (cfg.spec.enabled and cfg.spec.draft_source == "bubble" and target < cfg.run.steps
+                and cfg.spec.max_draft_tokens > 0)
+    budget = draft_budget(cfg)
 
     def next_request(g: int) -> RolloutRequest:
         slot = nxt.slot(g)
-        return _request(rep, step + 1, g, slot.prompt_index, slot.sample_index, budget, "draft")
+        return _request(rep, target, g, slot.prompt_index, slot.sample_index, budget, "draft")
 
     drafts, stats = rep.drafter.arrive_and_draft(step, nxt.num_samples,
                                                   next_request if drafting else None,
                                                   rep.weight_version)
-    from megatron.core import parallel_state as ps
+    if drafting:
+        from megatron.core import parallel_state as ps
 
-    everyone = exchange(drafts, group=ps.get_data_parallel_group()) if drafting else []
-    mine = nxt.rank_sample_range(rep.dp_rank)
-    expected = {g: _key(rep, step + 1, nxt.slot(g).prompt_index, nxt.slot(g).sample_index)
-                for g in mine} if drafting else {}
-    rep.pending_drafts = select_drafts(everyone, expected, rep.spec.vocab_size, budget)
+        everyone = exchange(drafts, group=ps.get_data_parallel_group())
+        expected = {g: _key(rep, target, nxt.slot(g).prompt_index, nxt.slot(g).sample_index)
+                    for g in nxt.rank_sample_range(rep.dp_rank)}
+        rep.draft_queue[target] = select_drafts(everyone, expected, rep.spec.vocab_size, budget)
     return {"bubble/idle_s": stats.idle_s, "bubble/drafting_s": stats.drafting_s,
             "bubble/overshoot_s": stats.overshoot_s}
+
+
+def draft_budget(cfg) -> int:
+    return min(cfg.spec.max_draft_tokens, cfg.rollout.max_new_tokens)
+
+
+def previous_epoch_drafts(rep: Replica, step: int, memory: dict) -> dict[int, Draft]:
+    """SPEC-RL-like drafts (ablation): each of my step-t samples proposes the response its prompt
+    and sample index got the last time that prompt was rolled out (another key, an older
+    policy)."""
+    batch = rep.sampler.batch(step)
+    drafts = {}
+    for g in batch.rank_sample_range(rep.dp_rank):
+        slot = batch.slot(g)
+        uid = rep.task.prompt(slot.prompt_index).uid
+        tokens = memory.get((uid, slot.sample_index))
+        if tokens:
+            drafts[g] = Draft(g, _key(rep, step, slot.prompt_index, slot.sample_index), -1,
+                              tuple(tokens[:draft_budget(rep.cfg)]))
+    return drafts
+
+
+def remember_responses(rep: Replica, step: int, results, memory: dict) -> None:
+    """All DP ranks' step-t responses -> ``memory[(prompt uid, sample index)]`` (for the
+    previous-epoch draft source; a prompt can land on another rank next epoch)."""
+    from megatron.core import parallel_state as ps
+
+    batch = rep.sampler.batch(step)
+    mine = {}
+    for g, r in zip(batch.rank_sample_range(rep.dp_rank), results):
+        slot = batch.slot(g)
+        mine[(rep.task.prompt(slot.prompt_index).uid, slot.sample_index)] = list(r.token_ids)
+    group = ps.get_data_parallel_group()
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    for part in everyone:
+        memory.update(part)
 
 
 def learn(rep: Replica, prompts: list[list[int]], results: list[RolloutResult],
@@ -169,21 +217,31 @@ def run_step(rep: Replica, step: int) -> StepOutput:
     slots = batch.rank_samples(rep.dp_rank)
     requests = [_request(rep, step, g, prompt_index, sample_index, cfg.rollout.max_new_tokens, "s")
                 for g, (prompt_index, sample_index) in zip(sample_range, slots)]
+    pending = rep.draft_queue.pop(step, {})
+    if cfg.spec.enabled and cfg.spec.draft_source == "previous_epoch":
+        pending = previous_epoch_drafts(rep, step, rep.response_memory)
 
-    requests, spec_metrics = verify_drafts(rep, requests, sample_range)              # 1 verify
+    rep.beat(step, "verify")
+    requests, spec_metrics = verify_drafts(rep, requests, sample_range, pending)      # 1 verify
+    rep.beat(step, "rollout")
     if rep.is_leader:
         if cfg.spec.enabled and cfg.spec.speculative_continuation:
-            requests = with_draft_pools(rep, requests, sample_range, slots)
+            requests = with_draft_pools(requests, sample_range, slots, pending)
         results, rollout_s = rollout(rep, requests)                                     # 2 rollout
+        rep.beat(step, "bubble")
         bubble = bubble_and_exchange(rep, step)                                         # 3-4
-        shared = (results, rollout_s, bubble, rep.pending_drafts)
+        shared = (results, rollout_s, bubble, rep.draft_queue)
     else:
         shared = None
-    results, rollout_s, bubble, rep.pending_drafts = rep.share(shared)
+    results, rollout_s, bubble, rep.draft_queue = rep.share(shared)
+    if cfg.spec.enabled and cfg.spec.draft_source == "previous_epoch":
+        remember_responses(rep, step, results, rep.response_memory)
 
+    rep.beat(step, "learn")
     prompts = [r.prompt_token_ids for r in requests]
     rewards = [rep.task.reward(rep.task.prompt(pi), r.token_ids) for (pi, _), r in zip(slots, results)]
     sync_metrics, train_metrics = learn(rep, prompts, results, [x.total for x in rewards])  # 5
+    rep.beat(step, "reshard")
     sync_metrics.update(reshard(rep))                                                    # 6
 
     lengths = [len(r.token_ids) for r in results]

@@ -1,8 +1,9 @@
 """HF checkpoint directory -> ModelSpec (the architecture facts every engine and converter reads) + tensors.
 
 Llama/Qwen2 family: RMSNorm, SwiGLU, RoPE, grouped-query attention, tied or untied embeddings,
-optional QKV bias (Qwen2). ``make_tiny_checkpoint`` writes a small random model of either kind
-in the HF layout, for tests of mechanics.
+optional QKV bias (Qwen2). ``check_checkpoint`` says what an incomplete directory lacks (before any
+weights are read); ``make_tiny_checkpoint`` writes a small random model of either kind in the HF
+layout, for tests of mechanics.
 """
 
 from __future__ import annotations
@@ -59,22 +60,116 @@ class ModelSpec:
         return asdict(self)
 
 
-REQUIRED_FILES = ("config.json",)
+COMPLETE_DIRECTORY = """\
+a complete model directory (as written by transformers' save_pretrained) holds
+  config.json              with "architectures": one of {archs}
+  model.safetensors        or sharded: model.safetensors.index.json + every shard it lists
+                           (pytorch_model.bin, or pytorch_model.bin.index.json + its shards, also work)
+  tokenizer.json           (or tokenizer.model, or vocab.json + merges.txt) and
+  tokenizer_config.json    with a chat template there or in chat_template.jinja (chat tasks)"""
+WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+TOKENIZER_VOCABS = (("tokenizer.json",), ("tokenizer.model",), ("vocab.json", "merges.txt"))
+
+
+class CheckpointError(ValueError):
+    """A model directory that cannot be loaded: what is missing or wrong, and what it should hold."""
+
+
+def check_checkpoint(path: str | Path, *, tokenizer: bool = False) -> ModelSpec:
+    """The ModelSpec of an HF directory after checking that it is complete: config.json readable
+    with a supported architecture, weights present (every shard of an index), and with
+    ``tokenizer`` the tokenizer files and a chat template. CheckpointError lists every problem."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"model directory {path} does not exist; "
+                              + COMPLETE_DIRECTORY.format(archs=sorted(SUPPORTED)))
+    problems: list[str] = []
+    spec = _spec_problems(path, problems)
+    weight_files(path, problems)
+    if tokenizer:
+        _tokenizer_problems(path, problems)
+    if problems:
+        raise CheckpointError(f"model directory {path} is incomplete: " + "; ".join(problems)
+                              + ".\n" + COMPLETE_DIRECTORY.format(archs=sorted(SUPPORTED)))
+    return spec
+
+
+def _spec_problems(path: Path, problems: list[str]) -> ModelSpec | None:
+    config = path / "config.json"
+    if not config.is_file():
+        problems.append("config.json is missing")
+        return None
+    try:
+        content = json.loads(config.read_text())
+    except json.JSONDecodeError as error:
+        problems.append(f"config.json is not valid JSON ({error.msg}, line {error.lineno})")
+        return None
+    if not isinstance(content, dict):
+        problems.append(f"config.json holds a {type(content).__name__}, not a JSON object")
+        return None
+    try:
+        return ModelSpec.from_hf_config(content)
+    except KeyError as error:
+        problems.append(f"config.json lacks the key {error.args[0]!r}")
+    except (ValueError, TypeError) as error:
+        problems.append(f"config.json: {error}")
+    return None
+
+
+def weight_files(path: Path, problems: list[str]) -> list[Path]:
+    """The weight files to load: an index's shards, else ``*.safetensors``, else
+    ``pytorch_model*.bin``; what is missing is appended to ``problems``."""
+    for name in WEIGHT_INDEXES:
+        index = path / name
+        if index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (json.JSONDecodeError, KeyError, AttributeError):
+                problems.append(f"{name} is not a valid index (no 'weight_map' of tensor -> shard)")
+                return []
+            absent = [s for s in shards if not (path / s).is_file()]
+            if absent:
+                problems.append(f"{len(absent)} of the {len(shards)} weight shards listed in "
+                                f"{name} are missing: {', '.join(absent)}")
+            return [path / s for s in shards]
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+    if not files:
+        problems.append("no weights (model.safetensors, *.safetensors shards or "
+                        "pytorch_model*.bin)")
+    return files
+
+
+def _tokenizer_problems(path: Path, problems: list[str]) -> None:
+    if not any(all((path / f).is_file() for f in files) for files in TOKENIZER_VOCABS):
+        problems.append("no tokenizer vocabulary (tokenizer.json, tokenizer.model, or vocab.json "
+                        "+ merges.txt)")
+    config = path / "tokenizer_config.json"
+    if not config.is_file():
+        problems.append("tokenizer_config.json is missing")
+        return
+    try:
+        has_template = "chat_template" in json.loads(config.read_text())
+    except json.JSONDecodeError as error:
+        problems.append(f"tokenizer_config.json is not valid JSON ({error.msg}, line "
+                        f"{error.lineno})")
+        return
+    if not has_template and not any((path / f).is_file()
+                                    for f in ("chat_template.jinja", "chat_template.json")):
+        problems.append("no chat template (chat_template in tokenizer_config.json, or "
+                        "chat_template.jinja); the chat tasks format prompts with it")
 
 
 def load_checkpoint(path: str | Path) -> tuple[ModelSpec, dict[str, torch.Tensor]]:
-    """Read an HF directory (config.json + *.safetensors) into a ModelSpec and float tensors."""
+    """Read an HF directory (config.json + safetensors or .bin weights) into a ModelSpec and
+    float tensors; CheckpointError if it is incomplete (see ``check_checkpoint``)."""
     path = Path(path)
-    missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
-    shards = sorted(path.glob("*.safetensors"))
-    if missing or not shards:
-        raise FileNotFoundError(
-            f"model directory {path} is incomplete: missing {missing or ['*.safetensors']}; point "
-            "the config's model.path at an HF checkpoint directory (config.json + safetensors)")
-    spec = ModelSpec.from_hf_config(json.loads((path / "config.json").read_text()))
+    spec = check_checkpoint(path)
     tensors: dict[str, torch.Tensor] = {}
-    for shard in shards:
-        tensors.update(load_file(str(shard)))
+    for shard in weight_files(path, []):
+        if shard.suffix == ".safetensors":
+            tensors.update(load_file(str(shard)))
+        else:
+            tensors.update(torch.load(shard, map_location="cpu", weights_only=True))
     return spec, tensors
 
 

@@ -21,7 +21,8 @@ from megatron_bubblespec.rollout.base import RolloutEngine, RolloutRequest, Roll
 from megatron_bubblespec.rollout.torch_llama import TorchLlama
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.spec.pool import DraftPool
-from megatron_bubblespec.spec.verify import verify_keyed
+from megatron_bubblespec.spec.verify import (target_probs, verify_keyed, verify_lenient,
+                                             verify_residual)
 from megatron_bubblespec.tokens import pad_token_rows
 
 
@@ -56,9 +57,14 @@ def _logprobs_of(logits: torch.Tensor, tokens: list[int]) -> list[float]:
 class ReferenceEngine(RolloutEngine):
     def __init__(self, model_path: str | Path, *, dtype: torch.dtype = torch.float32,
                  max_model_len: int | None = None, speculative_continuation: bool = False,
-                 spec_k: int = 4, spec_min_match: int = 2, spec_max_match: int = 8):
+                 spec_k: int = 4, spec_min_match: int = 2, spec_max_match: int = 8,
+                 keep_previous_weights: bool = False):
+        """``keep_previous_weights``: also hold the policy before the latest ``update_weights``
+        (``previous_model``), the drafting policy that the residual and lenient rules need."""
         spec, tensors = load_checkpoint(model_path)
         self.model = TorchLlama(spec, tensors, dtype=dtype, max_model_len=max_model_len)
+        self.previous_model = (TorchLlama(spec, tensors, dtype=dtype, max_model_len=max_model_len)
+                               if keep_previous_weights else None)
         self.speculative_continuation = speculative_continuation
         self.spec_k, self.spec_min_match, self.spec_max_match = spec_k, spec_min_match, spec_max_match
         self._waiting: list[tuple[RolloutRequest, SamplingParams]] = []
@@ -108,33 +114,54 @@ class ReferenceEngine(RolloutEngine):
         if self._running:
             raise RuntimeError("update_weights while requests are running would mix two policies "
                                "in one response; abort or finish them first")
+        if self.previous_model is not None:
+            self.previous_model.load(self.model.weights.items())
         self.model.load(named_tensors)
         self.weight_version += 1
 
     # ------------------------------------------------------------------ verification
     @torch.no_grad()
     def verify(self, requests: list[RolloutRequest], drafts: list[list[int]],
-               params: SamplingParams):
-        """One forward over prompt + prefix + draft per request -> ``spec.Verification``."""
-        slots = [self.model.cache.acquire() for _ in requests]
+               params: SamplingParams, rule: str = "keyed", lenience: float = 1.0):
+        """One forward over prompt + prefix + draft per request -> ``spec.Verification``.
+
+        ``rule`` keyed is exact and token-identical to plain keyed decoding; residual (exact in
+        distribution only) and lenient (inexact) are for ablations and take the drafts'
+        distributions from ``previous_model``, the policy that drafted them."""
+        eos = set().union(*(r.eos_token_ids for r in requests))
+        target = self._draft_logits(self.model, requests, drafts)
+        draft_tokens, draft_lens = pad_token_rows(drafts)
+        keys = torch.tensor([r.key for r in requests])
+        starts = torch.tensor([len(r.response_prefix) for r in requests])
+        if rule == "keyed":
+            return verify_keyed(target, draft_tokens, draft_lens, keys, starts, params, eos)
+        if self.previous_model is None:
+            raise ValueError(f"rule {rule!r} needs the drafting policy's distributions: build the "
+                             "engine with keep_previous_weights=True")
+        q = target_probs(self._draft_logits(self.previous_model, requests, drafts)[:, :-1], params)
+        if rule == "residual":
+            return verify_residual(target, q, draft_tokens, draft_lens, keys, starts, params, eos)
+        if rule == "lenient":
+            return verify_lenient(target, q, draft_tokens, draft_lens, keys, starts, params, eos,
+                                  lenience=lenience)
+        raise ValueError(f"unknown verification rule {rule!r}; use keyed, residual or lenient")
+
+    def _draft_logits(self, model: TorchLlama, requests, drafts) -> torch.Tensor:
+        """Logits [B, L + 1, V] of ``model`` at the last prefix position and every draft
+        position (they predict response positions len(prefix) ... len(prefix) + L)."""
+        slots = [model.cache.acquire() for _ in requests]
         try:
             rows = [r.prompt_token_ids + r.response_prefix + d for r, d in zip(requests, drafts)]
             tokens, lengths = pad_token_rows(rows)
-            logits = self.model.forward(tokens, torch.tensor(slots), torch.zeros_like(lengths),
-                                        lengths)
-            width = max(len(d) for d in drafts) + 1
-            starts = torch.tensor([len(r.prompt_token_ids) + len(r.response_prefix) - 1
-                                   for r in requests])
-            index = (starts.view(-1, 1) + torch.arange(width)).clamp(max=tokens.shape[1] - 1)
-            target = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-            draft_tokens, draft_lens = pad_token_rows(drafts)
-            return verify_keyed(target, draft_tokens, draft_lens,
-                                torch.tensor([r.key for r in requests]),
-                                torch.tensor([len(r.response_prefix) for r in requests]), params,
-                                set().union(*(r.eos_token_ids for r in requests)))
+            logits = model.forward(tokens, torch.tensor(slots), torch.zeros_like(lengths), lengths)
         finally:
             for slot in slots:
-                self.model.cache.release(slot)
+                model.cache.release(slot)
+        width = max(len(d) for d in drafts) + 1
+        starts = torch.tensor([len(r.prompt_token_ids) + len(r.response_prefix) - 1
+                               for r in requests])
+        index = (starts.view(-1, 1) + torch.arange(width)).clamp(max=tokens.shape[1] - 1)
+        return logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
 
     # ------------------------------------------------------------------ internals
     def _admit(self, request: RolloutRequest, params: SamplingParams) -> _Running:

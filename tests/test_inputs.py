@@ -1,0 +1,353 @@
+"""Bad inputs fail before training: malformed dataset rows (first bad row named), prompts longer
+than the context, incomplete model directories; good inputs pass the preflight."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_bubblespec.config import ConfigError, load_config
+from megatron_bubblespec.config.preflight import PreflightError, preflight
+from megatron_bubblespec.data.gsm8k import load_gsm8k
+from megatron_bubblespec.data.jsonl import DatasetError, JsonlRecord, load_jsonl
+from megatron_bubblespec.data.tasks import JsonlTask, Task, task_from_config
+from megatron_bubblespec.models.architecture import (
+    CheckpointError,
+    check_checkpoint,
+    load_checkpoint,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+GOOD = json.dumps({"question": "What is 2 + 2?", "answer": "4"})
+
+
+def _write(path, rows):
+    path.write_text("".join(row + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+def _cfg(*overrides):
+    return load_config(TINY, list(overrides))
+
+
+# ----------------------------------------------------------------------------- JSONL rows
+
+def _q(answer):
+    return json.dumps({"question": "Q?", "answer": answer})
+
+
+@pytest.mark.parametrize("bad, message", [
+    ('{"question": "Q?", "answer": ', r"invalid JSON \(Expecting value at column \d+\)"),
+    ("[1, 2]", "expected a JSON object, got list"),
+    ('"just a string"', "expected a JSON object, got str"),
+    (json.dumps({"answer": "4"}), r"missing field 'question' \(the row has keys \['answer'\]\)"),
+    (json.dumps({"prompt": "Q?", "answer": "4"}), "missing field 'question'.*'prompt'"),
+    (json.dumps({"question": "  ", "answer": "4"}), "field 'question' is empty"),
+    (json.dumps({"question": 7, "answer": "4"}), "field 'question' must be a string, got int"),
+    (json.dumps({"question": "Q?"}), "missing field 'answer'"),
+    (_q(None), "missing field 'answer'"),
+    (_q(""), "field 'answer' is empty"),
+    (_q(True), "field 'answer' must be a string or a number, got bool"),
+    (_q([4]), "field 'answer' must be a string or a number, got list"),
+    (_q("four"), r"field 'answer' has no number \('four'\)"),
+    (_q("so 4\n#### four"), "field 'answer' has no number after '####'"),
+    ("{}", r"missing field 'question' \(the row is an empty object\)"),
+])
+def test_malformed_row_names_the_file_and_first_bad_line(tmp_path, bad, message):
+    path = _write(tmp_path / "bad.jsonl", [GOOD, "", bad, GOOD])
+    with pytest.raises(DatasetError, match=rf"bad\.jsonl, row 3: {message}.*1 of 3 rows are bad"):
+        load_jsonl(path)
+    with pytest.raises(DatasetError, match=r"bad\.jsonl, row 3: "):
+        JsonlTask(path)              # rows are checked before the tokenizer is loaded
+
+
+def test_all_bad_rows_are_counted_and_the_first_named(tmp_path):
+    rows = [GOOD, "nope", GOOD] + [json.dumps({"question": "Q?"})] * 12 + [GOOD]
+    path = _write(tmp_path / "many.jsonl", rows)
+    with pytest.raises(DatasetError) as caught:
+        load_jsonl(path)
+    text = str(caught.value)
+    assert text.startswith(f"{path}, row 2: invalid JSON")
+    assert "13 of 16 rows are bad (rows 2, 4, 5, 6, 7, 8, 9, 10, 11, 12 and 3 more;" in text
+    assert "fix or delete the bad rows" in text
+
+
+@pytest.mark.parametrize("content", ["", "\n\n  \n"])
+def test_empty_file(tmp_path, content):
+    path = tmp_path / "empty.jsonl"
+    path.write_text(content)
+    with pytest.raises(DatasetError, match=r"empty\.jsonl has no rows \(the file is empty"):
+        load_jsonl(path)
+
+
+def test_missing_and_non_utf8_files(tmp_path):
+    with pytest.raises(DatasetError, match="nothere.jsonl does not exist"):
+        load_jsonl(tmp_path / "nothere.jsonl")
+    path = tmp_path / "latin1.jsonl"
+    latin1 = '{"question": "caf\xe9?", "answer": "1"}'.encode("latin-1")
+    path.write_bytes(GOOD.encode() + b"\n" + latin1)
+    with pytest.raises(DatasetError, match="is not UTF-8 text"):
+        load_jsonl(path)
+
+
+def test_gsm8k_rows_are_checked_the_same_way(tmp_path):
+    good = json.dumps({"question": "Q?", "answer": "2 + 2 = 4\n#### 4"})
+    path = _write(tmp_path / "g.jsonl", [good, json.dumps({"question": "Q?", "answer": "4"}),
+                                         good, "{", good])
+    with pytest.raises(DatasetError, match=r"g\.jsonl, row 2: answer has no '####'.*2 of 5 rows "
+                                           r"are bad \(rows 2, 4;"):
+        load_gsm8k("train", path=path)
+
+
+# ----------------------------------------------------------------------------- a good JSONL task
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from megatron_bubblespec.models.smollm2 import load_tokenizer
+    return load_tokenizer()
+
+
+@pytest.fixture
+def good_file(tmp_path):
+    return _write(tmp_path / "good.jsonl", [
+        GOOD,
+        "",
+        json.dumps({"question": "Sam has 1,200 pens and loses 1. How many are left?",
+                    "answer": "1200 - 1 = 1199\n#### 1,199", "source": "ignored"}),
+        json.dumps({"question": "Half of 7?", "answer": 3.5}),
+        json.dumps({"question": "Below zero?", "answer": "-2"}),
+    ])
+
+
+def test_good_rows_load_with_line_uids(good_file):
+    assert load_jsonl(good_file) == [
+        JsonlRecord("jsonl-1", 1, "What is 2 + 2?", "4"),
+        JsonlRecord("jsonl-3", 3, "Sam has 1,200 pens and loses 1. How many are left?", "1199"),
+        JsonlRecord("jsonl-4", 4, "Half of 7?", "3.5"),
+        JsonlRecord("jsonl-5", 5, "Below zero?", "-2"),
+    ]
+
+
+def test_jsonl_task_prompts_and_rewards(good_file, tokenizer):
+    task = JsonlTask(good_file, tokenizer)
+    assert isinstance(task, Task) and task.size == 4
+    assert task.eos_token_ids == (tokenizer.eos_token_id,)
+    p = task.prompt(1)
+    assert (p.uid, p.index, p.answer) == ("jsonl-3", 1, "1199")
+    text = tokenizer.tokenizer.decode(p.token_ids)
+    assert p.text in text and "####" in text and text.endswith("<|im_start|>assistant\n")
+
+    def reward(prompt, response, eos=True):
+        ids = tokenizer.tokenizer.encode(response, add_special_tokens=False)
+        return task.reward(prompt, ids + [tokenizer.eos_token_id] * eos)
+
+    right = reward(p, "1200 - 1 = 1199\n#### 1199")
+    assert right.correct and right.total == pytest.approx(1.2)
+    assert reward(p, "#### 1,199.0").correct
+    wrong = reward(p, "#### 1200")
+    assert not wrong.correct and wrong.total == pytest.approx(0.2)
+    assert reward(task.prompt(2), "It is 3.5", eos=False).total == pytest.approx(1.0)
+    assert reward(task.prompt(3), "#### -2").correct
+
+
+def test_task_from_config_builds_the_jsonl_task(good_file):
+    task = task_from_config(_cfg("data.task=jsonl", f"data.path={good_file}"), 256)
+    assert isinstance(task, JsonlTask) and [task.prompt(i).uid for i in range(task.size)] == \
+        ["jsonl-1", "jsonl-3", "jsonl-4", "jsonl-5"]
+
+
+# ----------------------------------------------------------------------------- config checks
+
+@pytest.mark.parametrize("overrides", [
+    ["data.max_prompt_tokens=480"],
+    ["rollout.max_new_tokens=300", "spec.max_draft_tokens=300"],
+    ["model.max_model_len=256"],
+])
+def test_prompt_plus_response_longer_than_context(overrides):
+    with pytest.raises(ConfigError, match=r"data\.max_prompt_tokens \+ rollout\.max_new_tokens = "
+                                          r"\d+ \+ \d+ = \d+ > model\.max_model_len=\d+"):
+        _cfg(*overrides)
+
+
+def test_jsonl_needs_an_existing_path(tmp_path):
+    with pytest.raises(ConfigError, match="data.task=jsonl needs data.path"):
+        _cfg("data.task=jsonl")
+    with pytest.raises(ConfigError, match=r"data\.path='.*nothere\.jsonl': no such file"):
+        _cfg("data.task=jsonl", f"data.path={tmp_path / 'nothere.jsonl'}")
+    path = _write(tmp_path / "d.jsonl", [GOOD])
+    with pytest.raises(ConfigError, match="data.path=.* is only read with data.task=jsonl"):
+        _cfg(f"data.path={path}")
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_pass_the_preflight(config):
+    report = preflight(load_config(config))
+    assert report.prompts_checked >= 1 and report.longest_prompt >= 1
+
+
+# ----------------------------------------------------------------------------- model directories
+
+def _model_dir(path, *, weights=True, tokenizer=True):
+    """A directory that passes the checks (the weights are placeholders: never read)."""
+    from megatron_bubblespec.models.smollm2 import smollm2_checkpoint
+
+    source = smollm2_checkpoint()
+    path.mkdir()
+    shutil.copy(source / "config.json", path)
+    if weights:
+        (path / "model.safetensors").write_bytes(b"")
+    if tokenizer:
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(source / name, path)
+    return path
+
+
+def test_complete_directory_passes(tmp_path):
+    spec = check_checkpoint(_model_dir(tmp_path / "m"), tokenizer=True)
+    assert spec.arch == "llama" and spec.vocab_size == 49152
+
+
+def test_directory_without_weights(tmp_path):
+    path = _model_dir(tmp_path / "m", weights=False)
+    with pytest.raises(CheckpointError, match=r"is incomplete: no weights \(model\.safetensors"):
+        check_checkpoint(path)
+    with pytest.raises(CheckpointError, match="no weights"):
+        load_checkpoint(path)
+
+
+def test_directory_without_config(tmp_path):
+    path = _model_dir(tmp_path / "m")
+    (path / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"incomplete: config\.json is missing\.\na complete "
+                                              r"model directory"):
+        check_checkpoint(path)
+
+
+def test_directory_with_a_missing_index_shard(tmp_path):
+    path = _model_dir(tmp_path / "m", weights=False)
+    shards = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {f"w{i}": s for i, s in enumerate(shards)}}))
+    (path / shards[0]).write_bytes(b"")
+    with pytest.raises(CheckpointError, match="2 of the 3 weight shards listed in model.safetensors"
+                                              f".index.json are missing: {shards[1]}, {shards[2]}"):
+        check_checkpoint(path)
+
+
+def test_every_problem_is_listed(tmp_path):
+    path = _model_dir(tmp_path / "m", weights=False, tokenizer=False)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(CheckpointError) as caught:
+        check_checkpoint(path, tokenizer=True)
+    text = str(caught.value)
+    for fragment in ("unsupported architecture ['GPT2LMHeadModel']", "no weights",
+                     "no tokenizer vocabulary", "tokenizer_config.json is missing",
+                     "tokenizer.json           (or tokenizer.model"):
+        assert fragment in text
+    with pytest.raises(CheckpointError, match="nothere does not exist"):
+        check_checkpoint(tmp_path / "nothere")
+
+
+def test_pytorch_bin_weights_load(tmp_path):
+    import torch
+
+    from megatron_bubblespec.models.architecture import make_tiny_checkpoint
+
+    source = make_tiny_checkpoint(tmp_path / "st", num_layers=1)
+    spec, tensors = load_checkpoint(source)
+    target = tmp_path / "bin"
+    target.mkdir()
+    shutil.copy(source / "config.json", target)
+    torch.save(tensors, target / "pytorch_model.bin")
+    spec_bin, tensors_bin = load_checkpoint(target)
+    assert spec_bin == spec and tensors_bin.keys() == tensors.keys()
+    assert all(torch.equal(tensors[k], tensors_bin[k]) for k in tensors)
+
+
+# ----------------------------------------------------------------------------- preflight
+
+def test_preflight_on_the_tiny_config_is_fast():
+    import time
+
+    start = time.perf_counter()
+    report = preflight(_cfg())
+    assert time.perf_counter() - start < 5.0
+    assert (report.model_dir, report.vocab_size, report.num_prompts) == (None, 256, 256)
+
+
+def test_preflight_names_the_model_path_and_what_is_missing(tmp_path):
+    path = _model_dir(tmp_path / "m", weights=False)
+    with pytest.raises(PreflightError, match=rf"model\.path='{path}': model directory .* no "
+                                             r"weights"):
+        preflight(_cfg(f"model.path={path}"))
+
+
+def test_preflight_uses_the_directory_tokenizer(tmp_path, good_file):
+    path = _model_dir(tmp_path / "m")
+    report = preflight(_cfg(f"model.path={path}", "data.task=jsonl", f"data.path={good_file}"))
+    assert (report.model_dir, report.num_prompts, report.prompts_checked) == (path, 4, 4)
+    (path / "chat_template.jinja").unlink()
+    with pytest.raises(PreflightError, match="no chat template"):
+        preflight(_cfg(f"model.path={path}", "data.task=jsonl", f"data.path={good_file}"))
+
+
+def test_preflight_reports_bad_rows(tmp_path):
+    path = _write(tmp_path / "bad.jsonl", [GOOD, GOOD, GOOD, json.dumps({"question": "Q?"}), GOOD])
+    with pytest.raises(PreflightError, match=r"data\.path: .*bad\.jsonl, row 4: "
+                                             r"missing field 'answer'"):
+        preflight(_cfg("data.task=jsonl", f"data.path={path}"))
+
+
+def test_preflight_prompt_longer_than_max_prompt_tokens(tmp_path):
+    rows = [GOOD] * 4 + [json.dumps({"question": "Count: " + "one two three " * 40, "answer": "3"})]
+    path = _write(tmp_path / "long.jsonl", rows)
+    with pytest.raises(PreflightError, match=r"data\.max_prompt_tokens=100: .*prompt 'jsonl-5' has "
+                                             r"\d+ tokens.*uid jsonl-N is line N of .*long\.jsonl.*"
+                                             r"model\.max_model_len"):
+        preflight(_cfg("model.path=smollm2", "data.task=jsonl", f"data.path={path}",
+                       "data.max_prompt_tokens=100"))
+
+
+def test_preflight_too_few_prompts(tmp_path):
+    path = _write(tmp_path / "two.jsonl", [GOOD, GOOD])
+    with pytest.raises(PreflightError, match=r"has 2 prompt\(s\), fewer than "
+                                             r"rollout\.prompts_per_step=4"):
+        preflight(_cfg("model.path=smollm2", "data.task=jsonl", f"data.path={path}"))
+
+
+def test_preflight_tokens_outside_the_vocabulary():
+    with pytest.raises(PreflightError, match=r"token id \d+ .* outside the model's vocabulary of "
+                                             r"256 tokens .*use data\.task=synthetic"):
+        preflight(_cfg("data.task=arithmetic"))
+
+
+def test_preflight_context_longer_than_the_model():
+    with pytest.raises(PreflightError, match=r"model\.max_model_len=9000 exceeds the model's "
+                                             r"max_position_embeddings=8192"):
+        preflight(_cfg("model.path=smollm2", "model.max_model_len=9000"))
+
+
+# ----------------------------------------------------------------------------- command line
+
+def test_cli_train_stops_at_the_first_bad_row(tmp_path):
+    path = _write(tmp_path / "bad.jsonl", [GOOD, GOOD, "{not json", GOOD, GOOD])
+    command = [sys.executable, "-m", "megatron_bubblespec.cli", "train", "--config", str(TINY),
+               "data.task=jsonl", f"data.path={path}", f"run.output_dir={tmp_path / 'runs'}",
+               "logging.progress=false"]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    try:
+        _, stderr = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        pytest.fail("bubblespec train did not stop before training on a dataset with a bad row")
+    assert process.returncode == 2, stderr[-2000:]
+    assert "bad.jsonl, row 3: invalid JSON" in stderr
