@@ -335,3 +335,36 @@ def test_engine_logprobs_match_trainer_after_step(reference):
     print(f"sync/logprob_abs_diff = {sync['synced']:.3e} (stale engine: {sync['stale']:.3e})")
     assert sync["synced"] <= SYNC_LOGPROB_ATOL
     assert sync["stale"] > 100 * SYNC_LOGPROB_ATOL  # the check sees a missed update
+
+
+def _bf16_worker(checkpoint, batch):
+    from megatron_bubblespec.train.model import build_gpt_model
+    from megatron_bubblespec.train.sharding import load_hf_weights
+
+    init_distributed(1, 1, seed=7)
+    spec, tensors = load_checkpoint(checkpoint)
+    with megatron_cpu_mode():
+        model = build_gpt_model(spec, params_dtype=torch.bfloat16)
+        load_hf_weights(model, spec, tensors)
+    trainer = MegatronTrainer(model, spec, TRAIN)
+    before = trainer.logprobs(batch.tokens, batch.response_mask)
+    metrics = trainer.train_step(batch)
+    weights = {k: t.float() for k, t in trainer.resharder().named_tensors()}
+    dtypes = {t.dtype for t in model.parameters()}
+    destroy_distributed()
+    return before, metrics, weights, dtypes
+
+
+def test_bf16_step_tracks_the_float32_step(reference, checkpoint, batch):
+    """bfloat16 weights with fp32 master weights (Megatron's Float16Module + mixed-precision
+    Adam): logprobs and the update agree with float32 to bf16 precision, not bitwise."""
+    ref_before, ref_metrics, ref_weights, _ = reference
+    before, metrics, weights, dtypes = launch_local(_bf16_worker, 1, checkpoint, batch.data)[0]
+    assert dtypes == {torch.bfloat16}
+    assert float((before - ref_before).abs().max()) < 0.1          # bf16 has 8 mantissa bits
+    assert metrics["train/loss"] == pytest.approx(ref_metrics["train/loss"], abs=2e-2)
+    _, initial = load_checkpoint(checkpoint)
+    for name, tensor in ref_weights.items():
+        moved = weights[name] - initial[name]
+        assert float(moved.abs().max()) > 0.25 * LR, name           # the update happened
+        torch.testing.assert_close(weights[name], tensor, rtol=1e-2, atol=1e-2, msg=name)

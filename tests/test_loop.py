@@ -94,6 +94,26 @@ def test_corrupted_drafts_change_no_token(runs, tmp_path):
     assert step1 == off["rollouts"][1]
 
 
+def test_drafts_two_steps_old_stay_exact(runs, tmp_path):
+    """spec.draft_lookahead=2: step t's bubble drafts step t+2, verified by a policy two updates
+    newer; the tokens are still the plain run's."""
+    _, off = runs
+    stale = train(_cfg(tmp_path, "stale", "spec.draft_lookahead=2"))
+    assert stale["rollouts"] == off["rollouts"]
+    assert [r["spec/drafted_tokens"] > 0 for r in stale["records"]] == [False, False, True, True]
+    assert sum(r["spec/accepted_tokens"] for r in stale["records"]) > 0
+
+
+def test_previous_epoch_drafts_stay_exact(tmp_path):
+    """SPEC-RL-like drafts (last epoch's responses of the same prompt) under the keyed rule:
+    proposals only, so the plain run's tokens."""
+    small = ("data.size=4", "run.steps=3")   # every step is a new epoch of the same 4 prompts
+    on = train(_cfg(tmp_path, "epoch-on", *small, "spec.draft_source=previous_epoch"))
+    off = train(_cfg(tmp_path, "epoch-off", *small, "spec.enabled=false"))
+    assert on["rollouts"] == off["rollouts"]
+    assert [r["spec/drafted_tokens"] > 0 for r in on["records"]] == [False, True, True]
+
+
 @pytest.mark.parametrize("override,key", [
     ("spec.enable=false", "spec.enable"),
     ("rollout.temperature=warm", "rollout.temperature"),

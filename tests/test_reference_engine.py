@@ -199,3 +199,25 @@ def test_draft_pool_proposes_after_the_longest_suffix_match():
     assert pool.propose([5, 9], 2) == []                    # no match of >= 2 tokens
     assert pool.propose([1, 2], 3) == [3, 4, 5]             # the prompt itself matches
     assert not DraftPool([1], [[]])
+
+
+@pytest.mark.parametrize("rule", ["residual", "lenient"])
+def test_ablation_rules_use_the_drafting_policy(checkpoint, perturbed, rule):
+    """The residual and lenient rules read q from the policy before the last update: with q = p
+    every draft token passes the ratio test; after an update some are rejected; without the
+    previous policy they refuse to run."""
+    prompts = _prompts(8, seed=3)
+    params = SamplingParams(1.0)
+    engine = ReferenceEngine(checkpoint, keep_previous_weights=True)
+    drafts = [r.token_ids for r in engine.generate(_requests(prompts, max_new=16), params)]
+    requests = _requests(prompts, max_new=16)
+    same = engine.verify(requests, drafts, params, rule=rule)
+    assert same.accepted.tolist() == [len(d) for d in drafts]
+
+    _, tensors = load_checkpoint(perturbed)
+    engine.update_weights(tensors.items())     # previous_model keeps the drafting policy
+    moved = engine.verify(requests, drafts, params, rule=rule)
+    assert moved.accepted.sum() < sum(map(len, drafts))
+
+    with pytest.raises(ValueError, match="keep_previous_weights"):
+        ReferenceEngine(checkpoint).verify(requests, drafts, params, rule=rule)

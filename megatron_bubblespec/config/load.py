@@ -78,6 +78,15 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parallel.context={p.context}: the verifier needs whole sequences on a "
                           "rank and context parallelism is not wired into the loop yet; use "
                           "parallel.context=1 (long contexts: raise parallel.tensor/pipeline)")
+    if cfg.train.recompute_activations:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError("train.recompute_activations=true needs a GPU (megatron-core's "
+                              "recompute re-runs layers with CUDA-only masks); use false on CPU")
+    if p.sequence_parallel and p.tensor == 1:
+        raise ConfigError("parallel.sequence_parallel=true splits sequences over the tensor-"
+                          "parallel group: it needs parallel.tensor > 1")
     if cfg.rollout.tensor_parallel > 1:
         raise ConfigError(f"rollout.tensor_parallel={cfg.rollout.tensor_parallel}: each model "
                           "replica runs one single-GPU rollout engine for now; use "

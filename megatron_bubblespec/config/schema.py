@@ -88,6 +88,7 @@ class TrainConfig:
     kl_coef: float = 0.0
     normalize_advantage_std: bool = True
     use_distributed_optimizer: bool = False
+    recompute_activations: bool = False  # full per-layer activation recompute (long contexts)
 
 
 @dataclass

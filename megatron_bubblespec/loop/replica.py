@@ -151,6 +151,17 @@ def _threads_per_rank() -> int:
     return max(1, len(os.sched_getaffinity(0)) // local_size)
 
 
+def model_parallel_options(cfg: Config) -> dict:
+    """TransformerConfig overrides from the config: sequence parallelism, activation recompute."""
+    options = {}
+    if cfg.parallel.sequence_parallel:
+        options["sequence_parallel"] = True
+    if cfg.train.recompute_activations:
+        options.update(recompute_granularity="full", recompute_method="uniform",
+                       recompute_num_layers=1)
+    return options
+
+
 def build_replica(cfg: Config) -> Replica:
     """Start the process groups and build this rank's resources (collective: all ranks call it)."""
     from megatron.core import parallel_state as ps
@@ -168,7 +179,7 @@ def build_replica(cfg: Config) -> Replica:
     spec, tensors = load_checkpoint(path)
     dtype = getattr(torch, cfg.model.dtype)
     with megatron_cpu_mode():
-        model = build_gpt_model(spec, params_dtype=dtype)
+        model = build_gpt_model(spec, params_dtype=dtype, **model_parallel_options(cfg))
         load_hf_weights(model, spec, tensors)
     t = cfg.train
     trainer = MegatronTrainer(model, spec, TrainerConfig(

@@ -236,14 +236,19 @@ class MegatronTrainer:
 
         self.module, self.spec, self.config = model, spec, config
         mconfig = model.config
-        if mconfig.fp16 or mconfig.bf16:
-            raise ValueError("MegatronTrainer supports float32 models for now (build the model "
-                             "with params_dtype=torch.float32)")
+        if mconfig.fp16:
+            raise ValueError("MegatronTrainer trains float32 or bfloat16 models (fp16 would need "
+                             "loss scaling); build the model with another params_dtype")
         # Token-mean over the global batch: see the module docstring. DDP reads it when built.
         mconfig.calculate_per_token_loss = True
         with megatron_cpu_mode():
+            wrapped = model
+            if mconfig.bf16:   # bf16 weights, fp32 logits out and fp32 master weights in Adam
+                from megatron.core.transformer.module import Float16Module
+
+                wrapped = Float16Module(mconfig, model)
             self.model = DistributedDataParallel(
-                config=mconfig, module=model,
+                config=mconfig, module=wrapped,
                 ddp_config=DistributedDataParallelConfig(
                     grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                     use_distributed_optimizer=config.use_distributed_optimizer,
@@ -253,7 +258,8 @@ class MegatronTrainer:
                     optimizer="adam", lr=config.lr, min_lr=config.min_lr,
                     weight_decay=config.weight_decay, adam_beta1=config.adam_beta1,
                     adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
-                    clip_grad=config.clip_grad, params_dtype=torch.float32,
+                    clip_grad=config.clip_grad, bf16=mconfig.bf16,
+                    params_dtype=torch.bfloat16 if mconfig.bf16 else torch.float32,
                     use_distributed_optimizer=config.use_distributed_optimizer),
                 [self.model])
             self.scheduler = OptimizerParamScheduler(
