@@ -368,3 +368,21 @@ def test_bf16_step_tracks_the_float32_step(reference, checkpoint, batch):
         moved = weights[name] - initial[name]
         assert float(moved.abs().max()) > 0.25 * LR, name           # the update happened
         torch.testing.assert_close(weights[name], tensor, rtol=1e-2, atol=1e-2, msg=name)
+
+
+def _step_logprobs_worker(checkpoint, batch, pp):
+    init_distributed(1, pp, seed=7)
+    trainer = _trainer(checkpoint, replace(TRAIN, micro_batch_size=2))
+    before = trainer.logprobs(batch.tokens, batch.response_mask)
+    trainer.train_step(batch)
+    last = trainer.last_logprobs
+    destroy_distributed()
+    return before, last
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_train_step_reports_the_logprobs_before_its_update(checkpoint, batch, pp):
+    """The step's own forward gives the rollout logprobs under the old weights (what the loop's
+    engine-vs-Megatron check reads), on every pipeline stage."""
+    for before, last in launch_local(_step_logprobs_worker, pp, checkpoint, batch.data, pp):
+        torch.testing.assert_close(last, before, rtol=0, atol=1e-6)

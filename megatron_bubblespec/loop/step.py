@@ -175,20 +175,21 @@ def remember_responses(rep: Replica, step: int, results, memory: dict) -> None:
 
 def learn(rep: Replica, prompts: list[list[int]], results: list[RolloutResult],
           rewards) -> tuple[dict, dict]:
-    """Stage 5: group advantages -> GRPO step on Megatron; engine-vs-Megatron gap and policy drift."""
+    """Stage 5: group advantages -> GRPO step on Megatron; engine-vs-Megatron gap (from the
+    step's own forward) and policy drift (one more forward with the new weights)."""
     n = rep.cfg.rollout.samples_per_prompt
     advantages = group_advantages(torch.tensor(rewards), n,
                                   scale_by_std=rep.cfg.train.normalize_advantage_std)
     batch = GRPOBatch.from_responses(prompts, [r.token_ids for r in results],
                                      [r.logprobs for r in results], advantages)
     trainer = rep.trainer
-    before = trainer.logprobs(batch.tokens, batch.response_mask)
+    metrics = trainer.train_step(batch)
+    before = trainer.last_logprobs          # Megatron's logprobs of the rollouts, weights t
     gap = logprob_abs_diff([r.logprobs for r in results], gather_responses(before, batch.response_mask))
     if gap > GAP_WARNING:
         warnings.warn(f"rollout engine and Megatron disagree on the rollout tokens' logprobs by "
                       f"{gap:.3g} (> {GAP_WARNING}): the engine is not running the trainer's "
                       "weights (a broken reshard?); rollouts may not be on-policy")
-    metrics = trainer.train_step(batch)
     after = trainer.logprobs(batch.tokens, batch.response_mask)
     mask, delta = batch.response_mask, after - before
     # k3 estimator of KL(pi_t || pi_t+1) on tokens drawn from pi_t: non-negative, unbiased.

@@ -273,6 +273,7 @@ class MegatronTrainer:
         mconfig.grad_scale_func = self.optimizer.scale_loss
         self.device = next(model.parameters()).device
         self.steps = 0
+        self.last_logprobs: torch.Tensor | None = None
 
     # ---------------------------------------------------------------------------- logprobs
 
@@ -298,7 +299,10 @@ class MegatronTrainer:
     # ---------------------------------------------------------------------------- training
 
     def train_step(self, batch: GRPOBatch) -> dict[str, float]:
-        """One optimizer step on this DP rank's ``batch``; the same metrics on every rank."""
+        """One optimizer step on this DP rank's ``batch``; the same metrics on every rank.
+
+        ``last_logprobs`` then holds the batch's response-token logprobs [B, S] under the weights
+        *before* the step (computed by the step's own forward, on every rank of the replica)."""
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -314,6 +318,7 @@ class MegatronTrainer:
         micro_batches = iter([batch.rows(slice(i, i + mbs)) for i in range(0, size, mbs)])
         grpo, vocab = self.config.grpo, self.spec.vocab_size
         names: list[str] = []
+        step_logprobs: list[torch.Tensor] = []   # last stage, micro-batch order
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -322,6 +327,7 @@ class MegatronTrainer:
 
             def loss_func(logits):
                 logp, entropy = token_logprobs(logits, mb.tokens, vocab, with_entropy=True)
+                step_logprobs.append(logp.detach().float())
                 loss_sum, sums = grpo_loss(logp, mb.old_logprobs, mb.advantages, mb.response_mask,
                                            grpo, ref_logp=mb.ref_logprobs, entropy=entropy,
                                            num_tokens=1.0)
@@ -345,6 +351,9 @@ class MegatronTrainer:
                 self.scheduler.step(increment=1)
                 self.steps += 1
         metrics = self._global_metrics(names, sums if ps.is_pipeline_last_stage() else None)
+        self.last_logprobs = _broadcast_from_last_stage(
+            torch.cat(step_logprobs) if step_logprobs else None, (size, seq),
+            self.device).cpu() * batch.response_mask.cpu()
         metrics.update({
             "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
             "train/lr": lr,
