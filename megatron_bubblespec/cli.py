@@ -66,9 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(func=cmd_train)
     from megatron_bubblespec.loop.bench import add_bench_parser
     from megatron_bubblespec.rollout.bench import add_bench_engine_parser
+    from megatron_bubblespec.sim.cli import add_simulate_parser
 
     add_bench_parser(sub)
     add_bench_engine_parser(sub)
+    add_simulate_parser(sub)
     return parser
 
 

@@ -21,7 +21,7 @@ def _next_request(i):
     return RolloutRequest(f"draft-{i}", [5 + i % 7, 9, 11], sample_key(1, 8, i // 4, i % 4), DRAFT_TOKENS)
 
 
-def _barrier_worker(path, delays, timeout_s):
+def _barrier_worker(path, delays, timeout_s, order=None):
     world = init_process_group(backend="gloo", timeout_s=60)
     engine = ReferenceEngine(path)
     drafter = BubbleDrafter(default_store(), world.world_size, engine, SamplingParams(1.0),
@@ -31,7 +31,8 @@ def _barrier_worker(path, delays, timeout_s):
         return None, None, None
     time.sleep(delays[world.rank])  # the rank's own rollout
     try:
-        drafts, stats = drafter.arrive_and_draft(7, NEXT_SAMPLES, _next_request, weight_version=7)
+        drafts, stats = drafter.arrive_and_draft(7, NEXT_SAMPLES, _next_request, weight_version=7,
+                                                 order=order)
         out = (drafts, stats, None)
     except TimeoutError as err:
         out = (None, None, str(err))
@@ -75,3 +76,12 @@ def test_a_rank_that_never_arrives_times_out_with_a_clear_message(tiny):
     results = launch_local(_barrier_worker, 2, tiny, [0.0, None], 1.5)
     message = results[0][2]
     assert message is not None and "only 1 of 2 data-parallel ranks" in message and "step 7" in message
+
+
+def test_the_cursor_hands_out_samples_in_the_given_order(tiny):
+    """The loop drafts round-robin over the ranks that will roll the samples out; here the order
+    is reversed: whatever the bubble drafted comes from the end."""
+    order = list(reversed(range(NEXT_SAMPLES)))
+    (drafts, stats, _), _ = launch_local(_barrier_worker, 2, tiny, [0.0, 1.0], 120.0, order)
+    assert drafts and stats.claimed_samples < NEXT_SAMPLES
+    assert min(d.sample_index for d in drafts) >= NEXT_SAMPLES - stats.claimed_samples

@@ -118,3 +118,13 @@ def test_resume_with_other_settings_is_refused():
     state = LookaheadSampler(0, 13, 4, dp_size=2).state_dict()
     with pytest.raises(ValueError, match="num_prompts: checkpoint 13 vs now 14"):
         LookaheadSampler(0, 14, 4, dp_size=2).load_state_dict(state)
+
+
+def test_drafting_order_alternates_over_the_ranks():
+    from megatron_bubblespec.loop.step import draft_order
+
+    batch = LookaheadSampler(0, 64, 4, dp_size=2, samples_per_prompt=2).batch(3)
+    order = draft_order(batch)
+    assert sorted(order) == list(range(batch.num_samples))
+    owners = [0 if order[i] in batch.rank_sample_range(0) else 1 for i in range(len(order))]
+    assert owners == [0, 1] * (batch.num_samples // 2)

@@ -26,11 +26,8 @@ def _cfg(tmp, name, *overrides):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("runs")
-    on = train(_cfg(tmp, "on"), return_weights=True)
-    off = train(_cfg(tmp, "off", "spec.enabled=false"), return_weights=True)
-    return on, off
+def runs(tiny_runs):
+    return tiny_runs.on, tiny_runs.off
 
 
 def test_bubblespec_on_and_off_give_identical_rollouts_losses_and_weights(runs):

@@ -56,15 +56,17 @@ def _rollouts(run: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("resume")
-    result = train(load_config(TINY, _overrides(tmp, "full")))
-    return tmp, tmp / "full", result
+def uninterrupted(tiny_runs, tmp_path_factory):
+    """The uninterrupted 4-step run (BubbleSpec on) and a directory for the interrupted ones."""
+    return tmp_path_factory.mktemp("resume"), tiny_runs.root / "on", tiny_runs.on
 
 
 def test_killed_after_step_two_resumes_to_identical_tokens_and_weights(uninterrupted):
+    """Drafts are made two steps ahead here, so pending drafts of two future steps cross the
+    checkpoint; the tokens must still be the uninterrupted run's."""
     tmp, full, result = uninterrupted
-    proc = _start(tmp, "killed", "run.checkpoint_every=1", "run.keep_checkpoints=2")
+    lookahead = "spec.draft_lookahead=2"
+    proc = _start(tmp, "killed", "run.checkpoint_every=1", "run.keep_checkpoints=2", lookahead)
     run = tmp / "killed"
     _wait_for(lambda: (run / "checkpoints" / "step_2" / COMPLETE).is_file(), proc, 600,
               "the checkpoint after step 2")
@@ -73,7 +75,7 @@ def test_killed_after_step_two_resumes_to_identical_tokens_and_weights(uninterru
     assert not (run / "final").exists()
 
     cfg = load_config(TINY, _overrides(tmp, "killed", "run.checkpoint_every=1",
-                                       "run.resume=auto"))
+                                       "run.resume=auto", lookahead))
     start = latest_checkpoint(run / "checkpoints")
     assert start is not None and int(start.name.split("_")[1]) >= 2
     resumed = train(cfg)
@@ -81,6 +83,7 @@ def test_killed_after_step_two_resumes_to_identical_tokens_and_weights(uninterru
     assert _rollouts(run) == _rollouts(full), "rollout tokens differ from the uninterrupted run"
     assert [r["step"] for r in resumed["records"]] == [0, 1, 2, 3]
     assert resumed["rollouts"] == result["rollouts"]
+    assert sum(r["spec/accepted_tokens"] for r in resumed["records"][2:]) > 0
     a, b = load_file(run / "final" / "model.safetensors"), load_file(full / "final" / "model.safetensors")
     assert set(a) == set(b)
     for name in a:

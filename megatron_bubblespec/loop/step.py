@@ -124,7 +124,7 @@ def bubble_and_exchange(rep: Replica, step: int) -> dict:
 
     drafts, stats = rep.drafter.arrive_and_draft(step, nxt.num_samples,
                                                   next_request if drafting else None,
-                                                  rep.weight_version)
+                                                  rep.weight_version, order=draft_order(nxt))
     if drafting:
         from megatron.core import parallel_state as ps
 
@@ -134,6 +134,15 @@ def bubble_and_exchange(rep: Replica, step: int) -> dict:
         rep.draft_queue[target] = select_drafts(everyone, expected, rep.spec.vocab_size, budget)
     return {"bubble/idle_s": stats.idle_s, "bubble/drafting_s": stats.drafting_s,
             "bubble/overshoot_s": stats.overshoot_s}
+
+
+def draft_order(batch) -> list[int]:
+    """The order in which bubbles draft a step's samples: round-robin over the DP ranks that will
+    roll them out (rank 0's first sample, rank 1's first, ..., rank 0's second, ...), so a short
+    bubble shortens every rank's next rollout a little rather than one rank's a lot (the step
+    waits for the slowest rank)."""
+    per_rank = [batch.rank_sample_range(r) for r in range(batch.dp_size)]
+    return [g for column in zip(*per_rank) for g in column]
 
 
 def draft_budget(cfg) -> int:

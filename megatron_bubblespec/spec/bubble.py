@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 from megatron_bubblespec.rollout.base import RolloutEngine, RolloutRequest, RolloutResult
 from megatron_bubblespec.sampling import SamplingParams
@@ -47,11 +47,14 @@ class BubbleDrafter:
 
     def arrive_and_draft(self, step: int, num_next_samples: int,
                          next_request: Callable[[int], RolloutRequest] | None,
-                         weight_version: int) -> tuple[list[Draft], BubbleStats]:
+                         weight_version: int,
+                         order: Sequence[int] | None = None) -> tuple[list[Draft], BubbleStats]:
         """Arrive at step ``step``'s barrier; draft step+1's samples (by global index) until it closes.
 
         ``next_request(i)`` builds the drafting request of global sample ``i`` of step+1 (its key
         and prompt, ``max_new_tokens`` = the draft budget); None disables drafting (plain barrier).
+        ``order`` is the sequence in which the shared cursor hands out global sample indices
+        (default 0, 1, 2, ...).
         """
         stats, drafts = BubbleStats(), []
         arrive, cursor, closed = (self._key(k, step) for k in ("arrive", "cursor", "closed"))
@@ -74,9 +77,11 @@ class BubbleDrafter:
                 if start >= num_next_samples:
                     exhausted = True
                     break
-                claimed = [next_request(i) for i in range(start, min(end, num_next_samples))]
+                indices = [order[c] if order is not None else c
+                           for c in range(start, min(end, num_next_samples))]
+                claimed = [next_request(i) for i in indices]
                 stats.claimed_samples += len(claimed)
-                in_flight.update({r.request_id: (i, r.key) for r, i in zip(claimed, range(start, end))})
+                in_flight.update({r.request_id: (i, r.key) for r, i in zip(claimed, indices)})
                 self.engine.add(claimed, self.params)
             if not self.engine.has_unfinished():
                 time.sleep(self.poll_s)  # nothing left to draft: plain waiting

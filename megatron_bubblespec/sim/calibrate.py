@@ -1,0 +1,461 @@
+"""bench.json (+ its runs' rollouts and config) and bench-engine JSONs -> fitted costs, lengths,
+acceptance -> ``Calibration``; the simulator replayed on the measured lengths -> errors vs bench.
+
+What is fitted from what (every choice is recorded in ``Calibration.notes``):
+
+* decode step ``step_s + seq_s * live + kv_token_s * kv`` and prefill ``prefill_s +
+  prefill_token_s * tokens``: robust non-negative least squares (``_robust_fit``) over the
+  bench-engine rows of the engine the bench ran (``rollout.engine``), on the 2 % quantile of each
+  row's raw decode-step times and the fastest run's prefill (the machine is shared: those are the
+  uncontended costs, the medians are not), with ``kv = batch * (prompt_len + new_tokens / 2)``.
+  ``kv_token_s`` is fitted only when the rows' per-sequence KV lengths span at least a factor of 2
+  (two ``--prompt-len`` runs); otherwise it is ``seq_s / ATTENTION_EQUAL_CTX``.
+* one scale on those costs: the median over the off run's ranks and steps >= 1 of measured /
+  modelled rollout time (the real loop's overheads and the machine's load at bench time); the
+  log-sd of the remaining measured / modelled ratios is the rank timing noise ``Setting.jitter``.
+  Without bench-engine JSONs the decode step is fitted on those rank times directly (``step_s``,
+  ``seq_s``, no prefill term, ``kv_token_s`` tied to ``seq_s`` as above): an in-sample fit.
+* a rank's measured rollout time: the step's ``rollout/time_s`` (the slowest rank) minus the
+  rank's ``bubble/idle_s`` (off run: nothing else happens between the rollout and the barrier).
+* verify: ``verify_token_s`` = the slope of a non-negative least-squares line of ``spec/verify_s``
+  against prompt + draft tokens per rank (the step's tokens / ranks) over the on run's steps with
+  drafts, but at least the engine's prefill cost per token (a forward over the same tokens);
+  ``verify_s`` = the mean of the rest.
+* train: ``train/step_s`` per token of the rank with the most tokens, over the off run; reshard:
+  mean ``sync/reshard_s``.
+* acceptance: the per-token probability ``p`` with ``sum_t S_t * E[min(G, d_t)] = sum_t A_t``
+  over the on run's steps (``S_t`` drafted samples, ``d_t`` their mean draft length, ``A_t``
+  accepted tokens, ``G`` geometric with ``P(G >= k) = p^k``); 1 when every drafted token was
+  accepted.
+* lengths: the responses of the off run (``<out>/<name>-off/rollouts.jsonl``, in global sample
+  order, so the ``B`` samples of rank ``r`` are ``r * B .. r * B + B - 1``) as fractions of the
+  budget ``rollout.max_new_tokens``; a lognormal fitted by maximum likelihood with the responses
+  that hit the budget as right-censored. Without rollouts: ``DEFAULT_SIGMA`` and the median that
+  reproduces the series' mean response length.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+from scipy.optimize import brentq, least_squares, minimize, nnls
+from scipy.stats import norm
+
+from megatron_bubblespec.sim.model import EngineCosts, LengthModel, Setting, StepCosts, simulate
+
+ATTENTION_EQUAL_CTX = 8192  # KV length at which a sequence's attention costs its per-sequence share
+DEFAULT_SIGMA = 1.0         # log-length spread when no per-sample lengths were kept
+DEFAULT_ACCEPT_PROB = 0.9   # when the bench drafted nothing
+ENGINE_QUANTILE = 0.02
+ROBUST_SCALE = 0.1          # relative residual beyond which a bench-engine row counts as an outlier
+DRAFT_CONCURRENCY = 8       # BubbleDrafter's max_in_flight
+CHECKED = ("bubble_ratio_off", "bubble_ratio_on", "decode_steps_ratio", "throughput_ratio",
+           "throughput_ratio_with_verify", "bubble_utilization", "accept_rate")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class CalibrationError(ValueError):
+    """A measurement file that cannot calibrate the simulator (the message says which and why)."""
+
+
+@dataclass
+class Calibration:
+    setting: Setting                     # the measured job (its ranks, samples, budget)
+    costs: StepCosts
+    lengths: LengthModel
+    measured: dict                       # the bench's own ratios
+    measured_lengths: np.ndarray | None  # (steps, ranks, samples_per_rank) of the off run
+    source: dict                         # files and config the numbers came from
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def draft_budget_frac(self) -> float:
+        return self.setting.max_draft_tokens / self.setting.max_new_tokens
+
+
+# ------------------------------------------------------------------------------------ reading
+
+def _read_json(path: Path, what: str) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise CalibrationError(f"{what} {path}: no such file") from None
+    except json.JSONDecodeError as err:
+        raise CalibrationError(f"{what} {path}: not JSON ({err})") from None
+
+
+def load_bench(path: str | Path) -> dict:
+    """A ``bubblespec bench`` result (``<out>/bench.json``), checked for what calibration needs."""
+    bench = _read_json(Path(path), "bench file")
+    series = bench.get("series")
+    if not isinstance(series, Mapping) or not series.get("on") or not series.get("off"):
+        raise CalibrationError(f"bench file {path}: no 'series' with 'on' and 'off' step records; "
+                               "pass the bench.json written by `bubblespec bench --out DIR`")
+    missing = [k for k in ("rollout/time_s", "rollout/tokens", "rollout/decode_steps")
+               if k not in series["off"][0]]
+    if missing:
+        raise CalibrationError(f"bench file {path}: step records lack {missing}")
+    return bench
+
+
+def _run_dir(bench_path: Path, bench: dict, mode: str) -> Path | None:
+    """The directory of the bench's on / off run: next to bench.json, else where it was written."""
+    recorded = Path(bench.get("runs", {}).get(mode, f"{bench.get('name', '')}-{mode}"))
+    for candidate in (bench_path.parent / recorded.name, recorded):
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def _resolve(path: str) -> Path | None:
+    for candidate in (Path(path), REPO_ROOT / path):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def bench_config(bench_path: Path, bench: dict):
+    """The off run's resolved config (its run directory's config.yaml), else the bench's config
+    file with its overrides; None when neither can be read."""
+    from megatron_bubblespec.config import ConfigError, load_config
+
+    run = _run_dir(bench_path, bench, "off")
+    tries = []
+    if run is not None and (run / "config.yaml").is_file():
+        tries.append((run / "config.yaml", []))
+    if bench.get("config") and _resolve(bench["config"]) is not None:
+        tries.append((_resolve(bench["config"]), list(bench.get("overrides", []))))
+    for path, overrides in tries:
+        try:
+            return load_config(path, overrides)
+        except (ConfigError, OSError):
+            continue
+    return None
+
+
+def prompt_length(cfg, prompts: int = 64) -> int | None:
+    """Mean prompt tokens of the config's task over its first ``prompts`` prompts (None when the
+    task cannot be built here)."""
+    try:
+        from megatron_bubblespec.data.tasks import task_from_config
+
+        task = task_from_config(cfg, cfg.model.tiny_vocab_size)
+        count = min(prompts, getattr(task, "size", prompts) or prompts)
+        return round(sum(len(task.prompt(i).token_ids) for i in range(count)) / count)
+    except Exception:   # a task that needs files or a tokenizer that is not here
+        return None
+
+
+def read_lengths(run_dir: Path | None, ranks: int) -> np.ndarray | None:
+    """Response lengths (steps, ranks, samples per rank) from a run's rollouts.jsonl."""
+    if run_dir is None or not (run_dir / "rollouts.jsonl").is_file():
+        return None
+    steps = []
+    for line in (run_dir / "rollouts.jsonl").read_text().splitlines():
+        if line.strip():
+            responses = json.loads(line)["responses"]
+            steps.append([len(responses[k]) for k in sorted(responses, key=int)])
+    if not steps or len({len(s) for s in steps}) != 1 or len(steps[0]) % ranks:
+        return None
+    return np.asarray(steps, dtype=np.int64).reshape(len(steps), ranks, -1)
+
+
+def load_engine_rows(paths: Sequence[str | Path], engine: str | None) -> tuple[list[dict], str]:
+    """The rows of ``bubblespec bench-engine`` JSONs for ``engine`` (else the first engine)."""
+    rows = []
+    for path in paths:
+        report = _read_json(Path(path), "bench-engine file")
+        if not report.get("rows"):
+            raise CalibrationError(f"bench-engine file {path}: no 'rows'; pass the JSON written by "
+                                   "`bubblespec bench-engine --out FILE`")
+        rows += report["rows"]
+    names = [r["engine"] for r in rows]
+    chosen = engine if engine in names else names[0]
+    return [r for r in rows if r["engine"] == chosen], chosen
+
+
+# ------------------------------------------------------------------------------------ fits
+
+def _nnls(features: list[list[float]], targets: list[float]) -> np.ndarray:
+    a, b = np.asarray(features, dtype=float), np.asarray(targets, dtype=float)
+    scale = np.where(a.max(axis=0) > 0, a.max(axis=0), 1.0)
+    return nnls(a / scale, b)[0] / scale
+
+
+def _robust_fit(features: list[list[float]], targets: list[float]) -> np.ndarray:
+    """Non-negative coefficients of a linear model of positive times, robust to the outliers of a
+    shared machine: least squares of relative residuals with a soft-L1 loss (residuals beyond
+    ``ROBUST_SCALE`` count linearly, not squared), started from the plain non-negative fit."""
+    a, b = np.asarray(features, dtype=float), np.asarray(targets, dtype=float)
+    scale = np.where(a.max(axis=0) > 0, a.max(axis=0), 1.0)
+    start = nnls(a / scale, b)[0]
+    fit = least_squares(lambda c: (a / scale @ c - b) / b, start + 1e-12, bounds=(0.0, np.inf),
+                        loss="soft_l1", f_scale=ROBUST_SCALE)
+    return fit.x / scale
+
+
+def fit_engine(rows: Sequence[Mapping]) -> tuple[EngineCosts, list[str]]:
+    """Decode-step and prefill costs from bench-engine rows (see the module docstring)."""
+    decode_x, decode_y, kv_per_seq = [], [], []
+    for row in rows:
+        times = [t for run in row.get("runs", ()) for t in run["decode_step_s"]]
+        y = float(np.quantile(times, ENGINE_QUANTILE)) if times else row["decode_step_min_s"]
+        kv = row["prompt_len"] + row["new_tokens"] / 2
+        decode_x.append([1.0, row["batch_size"], row["batch_size"] * kv])
+        decode_y.append(y)
+        kv_per_seq.append(kv)
+    notes = []
+    if max(kv_per_seq) >= 2 * min(kv_per_seq):
+        step_s, seq_s, kv_s = _robust_fit(decode_x, decode_y)
+        notes.append(f"decode step fitted on {len(rows)} bench-engine rows, prompt lengths "
+                     f"{sorted({r['prompt_len'] for r in rows})}")
+    else:
+        step_s, seq_s = _robust_fit([[1.0, b + b_kv / ATTENTION_EQUAL_CTX]
+                                     for _, b, b_kv in decode_x], decode_y)
+        kv_s = seq_s / ATTENTION_EQUAL_CTX
+        notes.append(f"decode step fitted on {len(rows)} bench-engine rows of one prompt length: "
+                     f"attention cost per KV token set to seq_s / {ATTENTION_EQUAL_CTX}")
+    prefill = _robust_fit([[1.0, r["prefill_tokens"]] for r in rows],
+                          [min([run["prefill_s"] for run in r.get("runs", ())]
+                               or [r["prefill_s"]]) for r in rows])
+    return EngineCosts(step_s, seq_s, kv_s, *prefill), notes
+
+
+def rank_rollout_times(records: Sequence[Mapping], ranks: int) -> np.ndarray:
+    """(steps, ranks) measured rollout seconds: slowest rank's time minus each rank's idle."""
+    out = []
+    for r in records:
+        wall = r["rollout/time_s"]
+        out.append([wall - (r.get(f"rank{k}/bubble/idle_s") or 0.0) for k in range(ranks)])
+    return np.asarray(out, dtype=float)
+
+
+def fit_engine_from_bench(lengths: np.ndarray, measured: np.ndarray,
+                          prompt_len: int) -> EngineCosts:
+    """Decode-step cost from the bench's rank rollout times alone (in-sample, no prefill term)."""
+    m = (lengths - 1).astype(float)
+    kv = (m * prompt_len + m * (m + 1) / 2).sum(axis=-1)
+    per_seq = m.sum(axis=-1) + kv / ATTENTION_EQUAL_CTX
+    x = np.stack([m.max(axis=-1), per_seq], axis=-1).reshape(-1, 2)
+    step_s, seq_s = _nnls(x.tolist(), measured.reshape(-1).tolist())
+    return EngineCosts(step_s, seq_s, seq_s / ATTENTION_EQUAL_CTX, 0.0, 0.0)
+
+
+def fit_jitter(measured: np.ndarray, modelled: np.ndarray) -> float:
+    """Log-sd of measured / modelled rank rollout times: timing noise the lengths do not explain."""
+    residual = np.log(measured / modelled)
+    return float(residual.std()) if residual.size > 1 else 0.0
+
+
+def fit_verify(records: Sequence[Mapping], ranks: int, prompt_len: int,
+               floor_token_s: float) -> tuple[float, float]:
+    """(verify_s, verify_token_s) from the on run's steps with drafts: ``spec/verify_s`` against
+    the step's prompt + draft tokens per rank; the per-token cost is at least ``floor_token_s``."""
+    steps = [(r["spec/verify_s"], (r["spec/drafted_tokens"] + r["spec/drafted_samples"]
+                                   * prompt_len) / ranks)
+             for r in records if (r.get("spec/drafted_samples") or 0) > 0
+             and r.get("spec/verify_s") is not None]
+    if not steps:
+        return 0.0, floor_token_s
+    token_s = floor_token_s
+    if len(steps) > 1:
+        token_s = max(float(_nnls([[1.0, x] for _, x in steps], [y for y, _ in steps])[1]),
+                      floor_token_s)
+    return max(_mean(y - token_s * x for y, x in steps), 0.0), token_s
+
+
+def fit_lengths(lengths: np.ndarray, cap: int) -> LengthModel:
+    """Censored lognormal of ``lengths / cap`` (responses at the cap are right-censored)."""
+    x = np.asarray(lengths, dtype=float).reshape(-1) / cap
+    capped = x >= 1.0
+    logs = np.log(x[~capped])
+    if capped.all() or len(logs) < 2 and not capped.any():
+        return LengthModel("lognormal", mu=float(np.log(x.mean())), sigma=0.0)
+
+    def nll(theta):
+        mu, sigma = theta[0], math.exp(theta[1])
+        ll = norm.logpdf(logs, mu, sigma).sum() + capped.sum() * norm.logsf(0.0, mu, sigma)
+        return -ll
+
+    start = [float(np.log(x).mean()), math.log(max(float(np.log(x).std()), 0.1))]
+    best = minimize(nll, start, method="Nelder-Mead", options={"xatol": 1e-6, "fatol": 1e-9})
+    mu, sigma = float(np.clip(best.x[0], -20, 20)), float(np.clip(math.exp(best.x[1]), 1e-3, 10))
+    return LengthModel("lognormal", mu=mu, sigma=sigma)
+
+
+def lengths_from_mean(mean_fraction: float, sigma: float = DEFAULT_SIGMA) -> LengthModel:
+    """The lognormal with ``sigma`` whose budget-capped mean fraction is ``mean_fraction``."""
+    def capped_mean(mu):
+        # E[min(X, 1)] for log X ~ N(mu, sigma)
+        tail = norm.sf(-mu / sigma)
+        return math.exp(mu + sigma ** 2 / 2) * norm.cdf((-mu - sigma ** 2) / sigma) + tail
+
+    target = float(np.clip(mean_fraction, 1e-6, 1 - 1e-6))
+    return LengthModel("lognormal", mu=brentq(lambda mu: capped_mean(mu) - target, -30, 30),
+                       sigma=sigma)
+
+
+def expected_accepted(p: float, draft: float) -> float:
+    """E[min(G, draft)] for P(G >= k) = p^k: the mean accepted prefix of a draft."""
+    if p >= 1.0:
+        return draft
+    return p * (1 - p ** draft) / (1 - p)
+
+
+def fit_accept_prob(records: Sequence[Mapping]) -> float | None:
+    """The per-token acceptance probability that explains the on run's accepted tokens."""
+    steps = [(r["spec/drafted_samples"], r["spec/drafted_tokens"], r["spec/accepted_tokens"])
+             for r in records if (r.get("spec/drafted_samples") or 0) > 0]
+    if not steps:
+        return None
+    accepted = sum(a for _, _, a in steps)
+    if accepted >= sum(d for _, d, _ in steps):
+        return 1.0
+    if accepted <= 0:
+        return 0.0
+
+    def gap(p):
+        return sum(s * expected_accepted(p, d / s) for s, d, _ in steps) - accepted
+    return float(brentq(gap, 0.0, 1.0 - 1e-12))
+
+
+def _mean(values) -> float:
+    values = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    return sum(values) / len(values) if values else 0.0
+
+
+# ------------------------------------------------------------------------------------ calibrate
+
+def _job_shape(cfg, off: Sequence[Mapping], bench_path: Path) -> dict:
+    """Ranks, samples per rank, budgets, chunk and engine of the measured job (config first)."""
+    if cfg is not None:
+        r = cfg.rollout
+        return {"ranks": cfg.parallel.data, "cap": r.max_new_tokens,
+                "samples": r.prompts_per_step * r.samples_per_prompt // cfg.parallel.data,
+                "draft_budget": min(cfg.spec.max_draft_tokens, r.max_new_tokens),
+                "chunk": cfg.spec.draft_chunk, "engine": r.engine}
+    ranks = sum(1 for k in off[0] if k.startswith("rank") and k.endswith("/bubble/idle_s"))
+    if ranks < 1:
+        raise CalibrationError(f"bench file {bench_path}: cannot tell the number of DP ranks "
+                               "(no run config.yaml and no rank*/bubble/idle_s metrics)")
+    cap = int(max(r["rollout/max_response_len"] for r in off))
+    return {"ranks": ranks, "cap": cap, "samples": None, "draft_budget": cap, "chunk": 2,
+            "engine": None}
+
+
+def _engine_costs(engine_paths, engine_name, lengths, measured_rank_s, prompt_len, notes):
+    """(engine costs, engine name, rank timing noise): bench-engine shape or bench fit, scaled to
+    the bench's rank times when per-rank lengths are known."""
+    if engine_paths:
+        rows, engine_name = load_engine_rows(engine_paths, engine_name)
+        engine, engine_notes = fit_engine(rows)
+        notes += engine_notes
+    elif lengths is not None:
+        engine = fit_engine_from_bench(lengths, measured_rank_s, prompt_len)
+        notes.append("no bench-engine file: decode step fitted on the bench's own rank times "
+                     "(in-sample)")
+    else:
+        raise CalibrationError("without the bench runs' rollouts.jsonl the simulator needs a "
+                               "bench-engine JSON (--engine) for its costs")
+    if lengths is None:
+        notes.append("no per-rank lengths: bench-engine costs used unscaled, no timing noise")
+        return engine, engine_name, 0.0
+    modelled = np.asarray([engine.rollout(n - 1, np.zeros_like(n), prompt_len) for n in lengths])
+    scale = float(np.median(measured_rank_s / modelled))
+    jitter = fit_jitter(measured_rank_s, modelled * scale)
+    notes.append(f"engine costs x {scale:.3g} to match the off run's rank rollout times; "
+                 f"unexplained rank timing noise (log-sd) {jitter:.3g}")
+    return engine.scaled(scale), engine_name, jitter
+
+
+def calibrate(bench_path: str | Path, engine_paths: Sequence[str | Path] = (), *,
+              prompt_len: int | None = None) -> Calibration:
+    """Fit the simulator to one bench and optional bench-engine files (see the module docstring)."""
+    bench_path = Path(bench_path)
+    bench = load_bench(bench_path)
+    on, off = bench["series"]["on"], bench["series"]["off"]
+    cfg = bench_config(bench_path, bench)
+    notes = [] if cfg is not None else ["no run config found: budget = longest response, "
+                                        "draft budget = budget, chunk 2"]
+    job = _job_shape(cfg, off, bench_path)
+    ranks, cap = job["ranks"], job["cap"]
+    lengths = read_lengths(_run_dir(bench_path, bench, "off"), ranks)
+    samples = job["samples"] or (lengths.shape[2] if lengths is not None else 1)
+    if prompt_len is None and cfg is not None:
+        prompt_len = prompt_length(cfg)
+    if prompt_len is None:
+        prompt_len = 0
+        notes.append("prompt length unknown (pass --prompt-len): taken as 0")
+
+    if lengths is not None:
+        length_model = fit_lengths(lengths, cap)
+        notes.append(f"lengths: {lengths.size} measured responses, "
+                     f"{(lengths >= cap).mean():.0%} at the budget {cap}")
+    else:
+        mean = sum(r["rollout/tokens"] for r in off) / (len(off) * ranks * samples)
+        length_model = lengths_from_mean(mean / cap)
+        notes.append("lengths: no rollouts.jsonl next to the bench; lognormal with sigma "
+                     f"{DEFAULT_SIGMA} matching the mean response length")
+
+    # step 0 is left out of the time fits: its rollout includes the engine's warm-up
+    engine, engine_name, jitter = _engine_costs(
+        engine_paths, job["engine"], None if lengths is None else lengths[1:],
+        rank_rollout_times(off, ranks)[1:], prompt_len, notes)
+    verify_s, verify_token_s = fit_verify(on, ranks, prompt_len, engine.prefill_token_s)
+    if lengths is not None:   # tokens of the rank with the most, per step
+        heaviest = (lengths + prompt_len).sum(axis=-1).max(axis=-1).tolist()
+    else:
+        heaviest = [r["rollout/tokens"] / ranks + samples * prompt_len for r in off]
+    train_token_s = _mean(r.get("train/step_s") for r in off) / max(_mean(heaviest), 1.0)
+    costs = StepCosts(engine, verify_s, verify_token_s, train_token_s,
+                      _mean(r.get("sync/reshard_s") for r in off))
+    accept = fit_accept_prob(on)
+    if accept is None:
+        accept = DEFAULT_ACCEPT_PROB
+        notes.append(f"the bench drafted nothing: acceptance per token {DEFAULT_ACCEPT_PROB}")
+    setting = Setting(ranks, samples, prompt_len, cap, job["draft_budget"], accept_prob=accept,
+                      draft_concurrency=DRAFT_CONCURRENCY, draft_chunk=job["chunk"],
+                      jitter=jitter)
+    measured = {k: bench.get(k) for k in (*CHECKED, "accepted_prefix_mean", "steps")}
+    source = {"bench": str(bench_path), "engine": [str(p) for p in engine_paths],
+              "engine_name": engine_name, "config": bench.get("config"),
+              "overrides": bench.get("overrides", []), "machine": bench.get("machine", {})}
+    return Calibration(setting, costs, length_model, measured, lengths, source, notes)
+
+
+def calibration_check(cal: Calibration, *, replicates: int = 32, seed: int = 0) -> dict:
+    """The simulator at the measured setting vs the bench, per metric: measured, simulated and
+    relative error (simulated / measured - 1), in three modes:
+
+    * ``replay``: the measured lengths of every rank and step, with the fitted timing noise (the
+      random parts averaged over ``replicates`` seeds);
+    * ``replay_no_jitter``: the same without timing noise (the bubble lengths alone explain);
+    * ``sampled``: lengths drawn from the fitted model, with timing noise, as many steps as the
+      bench ran, averaged over ``replicates`` seeds.
+    """
+    runs = {}
+    if cal.measured_lengths is not None:
+        for mode, setting in (("replay", cal.setting),
+                              ("replay_no_jitter", replace(cal.setting, jitter=0.0))):
+            reps = [simulate(setting, cal.costs, measured_lengths=cal.measured_lengths,
+                             seed=seed + i) for i in range(replicates)]
+            runs[mode] = {k: _mean(r[k] for r in reps) for k in CHECKED}
+    steps = len(cal.measured_lengths) if cal.measured_lengths is not None else cal.measured["steps"]
+    reps = [simulate(cal.setting, cal.costs, cal.lengths, steps=int(steps), seed=seed + i)
+            for i in range(replicates)]
+    runs["sampled"] = {k: _mean(r[k] for r in reps) for k in CHECKED}
+    out = {}
+    for mode, sim in runs.items():
+        rows = {}
+        for key in CHECKED:
+            measured, simulated = cal.measured.get(key), float(sim[key])
+            error = (simulated / measured - 1.0 if measured not in (None, 0)
+                     and math.isfinite(simulated) else math.nan)
+            rows[key] = {"measured": measured, "simulated": simulated, "rel_error": error}
+        out[mode] = rows
+    return out

@@ -1,0 +1,222 @@
+"""`bubblespec simulate`: bench.json (+ bench-engine JSONs, a config) -> calibration -> check at the
+measured setting -> simulated grid of DP ranks x contexts -> tables, simulate.json/md/png.
+
+The grid keeps the calibrated job's shape per rank (samples per rank, prompt length, draft budget
+as a fraction of the response budget, acceptance, rank timing noise, drafting concurrency) and
+changes the number of DP ranks and the context; a context of ``C`` tokens gives a response budget
+of ``C - prompt`` tokens, and the fitted length model (a fraction of the budget) is scaled to it.
+``--config`` takes samples per rank, draft budget fraction, draft chunk and prompt length from a
+training config instead; the ``--lengths``, ``--accept-prob``, ``--jitter`` and
+``--max-draft-tokens`` flags replace single fitted parts, to ask "what if".
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict, replace
+from typing import Sequence
+
+import numpy as np
+
+DEFAULT_RANKS = (8, 16, 32, 64, 128, 256, 512, 1024)
+DEFAULT_CONTEXTS = (4096, 8192, 16384, 32768, 65536)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers: {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers: {text!r}")
+    return values
+
+
+def _lengths(text: str):
+    """``calibrated`` | ``empirical`` | ``lognormal:MEDIAN,SIGMA`` (MEDIAN as a fraction of the
+    budget); the first two are resolved against the calibration (``length_model``)."""
+    from megatron_bubblespec.sim.model import LengthModel
+
+    if text in ("calibrated", "empirical"):
+        return text
+    kind, _, params = text.partition(":")
+    try:
+        median, sigma = (float(x) for x in params.split(","))
+        if kind != "lognormal" or median <= 0:
+            raise ValueError
+        return LengthModel("lognormal", mu=float(np.log(median)), sigma=sigma)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--lengths {text!r}: use 'calibrated', 'empirical' or 'lognormal:MEDIAN,SIGMA' with "
+            "MEDIAN the median response as a fraction of the budget, e.g. lognormal:0.2,0.8"
+        ) from None
+
+
+def length_model(cal, choice):
+    """The grid's length model: the fitted lognormal (``calibrated``), the measured fractions of
+    the budget resampled (``empirical``), or a given ``LengthModel``."""
+    from megatron_bubblespec.sim.model import LengthModel
+
+    if choice == "calibrated":
+        return cal.lengths
+    if choice == "empirical":
+        if cal.measured_lengths is None:
+            raise ValueError("--lengths empirical needs the bench runs' rollouts.jsonl next to "
+                             "bench.json (per-sample lengths); use calibrated or lognormal:M,S")
+        fractions = cal.measured_lengths.reshape(-1) / cal.setting.max_new_tokens
+        return LengthModel("empirical", fractions=tuple(float(x) for x in fractions))
+    return choice
+
+
+def _jitter(text: str) -> float | None:
+    if text == "calibrated":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--jitter {text!r}: 'calibrated' or a log-sd >= 0")
+    return value
+
+
+def grid_setting(cal, args):
+    """The per-rank shape of the predicted job: calibrated, then --config, then single flags."""
+    from megatron_bubblespec.sim.calibrate import prompt_length
+
+    setting = cal.setting
+    budget_frac = cal.draft_budget_frac
+    if args.config:
+        from megatron_bubblespec.config import load_config
+
+        cfg = load_config(args.config, [])
+        r = cfg.rollout
+        setting = replace(setting, samples_per_rank=max(
+            r.prompts_per_step * r.samples_per_prompt // cfg.parallel.data, 1),
+            draft_chunk=cfg.spec.draft_chunk)
+        budget_frac = min(cfg.spec.max_draft_tokens, r.max_new_tokens) / r.max_new_tokens
+        prompt = prompt_length(cfg)
+        if prompt is not None:
+            setting = replace(setting, prompt_len=prompt)
+    changes = {}
+    if args.samples_per_rank:
+        changes["samples_per_rank"] = args.samples_per_rank
+    if args.prompt_len is not None:
+        changes["prompt_len"] = args.prompt_len
+    if args.accept_prob is not None:
+        changes["accept_prob"] = args.accept_prob
+    if args.jitter is not None:
+        changes["jitter"] = args.jitter
+    return replace(setting, **changes), budget_frac
+
+
+def predict(cal, setting, budget_frac: float, lengths, ranks: Sequence[int],
+            contexts: Sequence[int], *, steps: int, seeds: int, max_draft_tokens: int | None,
+            seed: int = 0) -> list[dict]:
+    """One row per (ranks, context): the mean over ``seeds`` of ``simulate``'s summary."""
+    from megatron_bubblespec.sim.model import simulate
+
+    rows = []
+    for context in contexts:
+        budget = context - setting.prompt_len
+        if budget < 2:
+            raise ValueError(f"context {context} leaves no response budget after a prompt of "
+                             f"{setting.prompt_len} tokens")
+        draft = max_draft_tokens if max_draft_tokens is not None else round(budget_frac * budget)
+        for r in ranks:
+            point = replace(setting, ranks=r, max_new_tokens=budget,
+                            max_draft_tokens=min(draft, budget))
+            runs = [simulate(point, cal.costs, lengths, steps=steps, seed=seed + i)
+                    for i in range(seeds)]
+            row = {"ranks": r, "context": context, "response_budget": budget,
+                   "max_draft_tokens": point.max_draft_tokens}
+            for key, value in runs[0].items():
+                if key not in ("trace", "steps", "ranks"):
+                    row[key] = float(np.nanmean([run[key] for run in runs]))
+            rows.append(row)
+    return rows
+
+
+def run_simulation(args) -> dict:
+    from megatron_bubblespec.sim.calibrate import calibrate, calibration_check
+
+    cal = calibrate(args.bench, args.engine or (), prompt_len=args.prompt_len)
+    check = calibration_check(cal, replicates=args.check_replicates, seed=args.seed)
+    setting, budget_frac = grid_setting(cal, args)
+    lengths = length_model(cal, args.lengths)
+    predictions = predict(cal, setting, budget_frac, lengths, args.ranks, args.contexts,
+                          steps=args.steps, seeds=args.seeds,
+                          max_draft_tokens=args.max_draft_tokens, seed=args.seed)
+    draft = (str(args.max_draft_tokens) if args.max_draft_tokens is not None
+             else f"{budget_frac:.0%} of the response budget")
+    return {
+        "calibration": {"setting": asdict(cal.setting), "costs": asdict(cal.costs),
+                        "lengths": asdict(cal.lengths) | {"description": cal.lengths.describe()},
+                        "measured": cal.measured, "source": cal.source, "notes": cal.notes},
+        "check": check,
+        "grid": {"setting": asdict(setting), "lengths": lengths.describe(),
+                 "draft_budget": draft, "steps": args.steps, "seeds": args.seeds,
+                 "ranks": list(args.ranks), "contexts": list(args.contexts)},
+        "predictions": predictions,
+    }
+
+
+def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
+    """Register ``simulate`` on a ``parser.add_subparsers()`` object."""
+    parser = subparsers.add_parser("simulate", help=cmd_simulate.__doc__,
+                                   description=cmd_simulate.__doc__)
+    parser.add_argument("--bench", required=True, help="bench.json of `bubblespec bench --out DIR`")
+    parser.add_argument("--engine", action="append", default=[],
+                        help="JSON of `bubblespec bench-engine --out FILE` (repeatable: two "
+                        "prompt lengths fit the attention cost)")
+    parser.add_argument("--ranks", type=_ints, default=list(DEFAULT_RANKS),
+                        help="DP rank counts, comma-separated")
+    parser.add_argument("--contexts", type=_ints, default=list(DEFAULT_CONTEXTS),
+                        help="contexts (prompt + response budget) in tokens, comma-separated")
+    parser.add_argument("--config", help="training config (configs/*.yaml) for samples per rank, "
+                        "draft budget and chunk, prompt length")
+    parser.add_argument("--out", help="write simulate.json, simulate.md, simulate.png here")
+    parser.add_argument("--lengths", type=_lengths, default="calibrated",
+                        help="calibrated (fitted lognormal, default) | empirical (the measured "
+                        "responses, as fractions of the budget) | lognormal:MEDIAN,SIGMA, MEDIAN "
+                        "as a fraction of the response budget")
+    parser.add_argument("--accept-prob", type=float, default=None,
+                        help="per-token draft acceptance (default: fitted)")
+    parser.add_argument("--jitter", type=_jitter, default=None,
+                        help="rank timing noise, log-sd (default: calibrated; 0 = lengths only)")
+    parser.add_argument("--max-draft-tokens", type=int, default=None,
+                        help="draft budget in tokens (default: the calibrated fraction of the "
+                        "response budget)")
+    parser.add_argument("--samples-per-rank", type=int, default=None)
+    parser.add_argument("--prompt-len", type=int, default=None,
+                        help="prompt tokens (default: measured from the bench config's task)")
+    parser.add_argument("--steps", type=int, default=12, help="simulated steps per point")
+    parser.add_argument("--seeds", type=int, default=2, help="seeds averaged per point")
+    parser.add_argument("--check-replicates", type=int, default=32,
+                        help="seeds averaged in the calibration check")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(func=cmd_simulate)
+    return parser
+
+
+def cmd_simulate(args) -> int:
+    """Predict bubble ratio and BubbleSpec speedup at scale from bench measurements (simulated)."""
+    from megatron_bubblespec.config import ConfigError
+    from megatron_bubblespec.sim.calibrate import CalibrationError
+    from megatron_bubblespec.sim.report import print_result, write
+
+    if args.accept_prob is not None and not 0.0 <= args.accept_prob <= 1.0:
+        print(f"bubblespec simulate: --accept-prob {args.accept_prob} is not in [0, 1]",
+              file=sys.stderr)
+        return 2
+    try:
+        result = run_simulation(args)
+    except (CalibrationError, ConfigError, ValueError) as err:
+        print(f"bubblespec simulate: {err}", file=sys.stderr)
+        return 2
+    print_result(result)
+    if args.out:
+        paths = write(result, args.out)
+        print("simulation files: " + ", ".join(str(p) for p in paths))
+    return 0

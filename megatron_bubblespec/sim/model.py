@@ -1,0 +1,298 @@
+"""Setting + costs + lengths + acceptance -> paired on/off synchronous steps -> bench-style ratios.
+
+The model of one synchronous step over ``R`` data-parallel ranks, each owning ``B`` samples, run
+twice on the same response lengths (BubbleSpec off and on, as ``bubblespec bench`` does):
+
+* lengths: every sample's response length ``n`` (tokens, EOS included) is drawn from a
+  ``LengthModel``, capped at the response budget; the on and off runs see the same lengths, since
+  BubbleSpec is exact (same tokens);
+* rollout of a rank = continuous batching from one prefill: all its samples start together, sample
+  ``i`` needs ``m_i`` decode steps, the decode step ``j`` costs ``t(live_j, kv_j)`` with ``live_j``
+  the sequences still decoding and ``kv_j`` their summed KV length (see ``EngineCosts``); the rank
+  is done when its longest sample is;
+* rank speed: with ``Setting.jitter`` = s > 0 every rank's rollout time in every step (and run) is
+  multiplied by ``exp(s * Z - s^2 / 2)``, ``Z`` standard normal: the rank-to-rank timing noise
+  that is not explained by lengths (shared machines, thermal limits, slow nodes);
+* barrier: the step waits for the slowest rank; a rank's bubble is its idle time there (from its
+  arrival until it sees the barrier close, so a drafting rank's overshoot counts) and the step's
+  bubble ratio is ``sum idle / (R * slowest rollout time)`` (the bench's ``bubble/ratio``);
+* BubbleSpec on: idle ranks draft the next step's samples (``sim.drafting``); at the next step a
+  sample with a draft of ``d`` tokens keeps an accepted prefix ``a = min(G, d)`` with ``G``
+  geometric (every draft token is accepted with probability ``accept_prob``, independently), plus
+  the verifier's correction (or bonus) token, so its rollout starts from ``min(a + 1, n)`` known
+  tokens and needs ``max(n - a - 2, 0)`` decode steps instead of ``n - 1``; a rank with drafts first
+  pays a verify forward (``StepCosts.verify``);
+* after the barrier: the drafting ranks finish their engine step in flight (overshoot), then train
+  (cost per token of the rank with the most tokens) and reshard (a constant).
+
+Not modelled: speculative continuation after a divergence (decode steps saved beyond ``a + 1``),
+chunked prefill, prefill cost growing with the square of the prompt, preemption or KV-cache limits,
+the all-gather of drafts, and any dependence of acceptance on policy drift beyond one per-token
+probability. Rank timing noise is one lognormal factor per rank and step, independent of the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megatron_bubblespec.sim.drafting import draft_in_bubble
+
+
+@dataclass(frozen=True)
+class EngineCosts:
+    """One rollout engine (one DP rank), in seconds.
+
+    decode step with ``live`` sequences holding ``kv`` KV entries in all:
+    ``step_s + seq_s * live + kv_token_s * kv``; prefill of ``tokens`` prompt tokens:
+    ``prefill_s + prefill_token_s * tokens`` (0 for no tokens).
+    """
+
+    step_s: float
+    seq_s: float
+    kv_token_s: float
+    prefill_s: float
+    prefill_token_s: float
+
+    def decode_step(self, live: float, kv: float) -> float:
+        return self.step_s + self.seq_s * live + self.kv_token_s * kv
+
+    def prefill(self, tokens):
+        tokens = np.asarray(tokens, dtype=float)
+        return np.where(tokens > 0, self.prefill_s + self.prefill_token_s * tokens, 0.0)
+
+    def scaled(self, factor: float) -> EngineCosts:
+        return EngineCosts(*(factor * x for x in (self.step_s, self.seq_s, self.kv_token_s,
+                                                  self.prefill_s, self.prefill_token_s)))
+
+    def rollout(self, decode_steps: np.ndarray, known: np.ndarray, prompt_len: int) -> np.ndarray:
+        """Rollout time per rank from per-sample decode steps and known response prefixes.
+
+        ``decode_steps`` and ``known`` are (ranks, samples); a sample with ``known`` tokens (its
+        accepted prefix) and ``m`` decode steps left is prefilled with ``prompt_len + known``
+        tokens unless it is already complete (``m == 0`` and ``known > 0``). The decode-step sum is
+        exact for the linear step cost: ``sum_j step_s = step_s * max m``, ``sum_j seq_s * live_j =
+        seq_s * sum m``, and sample ``i`` holds ``prompt_len + known_i + j`` KV entries at its
+        ``j``-th decode step.
+        """
+        m = decode_steps.astype(float)
+        k = known.astype(float)
+        pending = (m > 0) | (k == 0)
+        prefill = self.prefill(np.where(pending, prompt_len + k, 0.0).sum(axis=-1))
+        kv = (m * (prompt_len + k) + m * (m + 1) / 2).sum(axis=-1)
+        return (prefill + self.step_s * m.max(axis=-1, initial=0.0)
+                + self.seq_s * m.sum(axis=-1) + self.kv_token_s * kv)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """Everything a step costs besides the rollout engine, in seconds.
+
+    verify on a rank with drafts: ``verify_s + verify_token_s * (prompt + draft tokens)`` of its
+    drafted samples; train: ``train_token_s`` per token (prompt + response) of the rank with the
+    most tokens; reshard: ``reshard_s`` per step.
+    """
+
+    engine: EngineCosts
+    verify_s: float = 0.0
+    verify_token_s: float = 0.0
+    train_token_s: float = 0.0
+    reshard_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class LengthModel:
+    """Response lengths as a fraction ``x`` of the response budget ``cap``: ``n = ceil(x * cap)``
+    clipped to ``1..cap``.
+
+    ``lognormal``: ``log x ~ Normal(mu, sigma)`` (``sigma = 0``: every response has the same
+    length, the no-variance case); ``empirical``: ``x`` resampled from ``fractions`` (measured
+    lengths over their budget).
+    """
+
+    kind: str = "lognormal"
+    mu: float = 0.0
+    sigma: float = 0.0
+    fractions: tuple[float, ...] = ()
+
+    def __post_init__(self):
+        if self.kind not in ("lognormal", "empirical"):
+            raise ValueError(f"length model kind {self.kind!r}: use 'lognormal' or 'empirical'")
+        if self.kind == "empirical" and not self.fractions:
+            raise ValueError("an empirical length model needs measured fractions")
+        if self.sigma < 0:
+            raise ValueError(f"length model sigma must be >= 0, got {self.sigma}")
+
+    def sample(self, rng: np.random.Generator, shape, cap: int) -> np.ndarray:
+        if self.kind == "empirical":
+            x = rng.choice(np.asarray(self.fractions, dtype=float), size=shape)
+        else:
+            x = np.exp(self.mu + self.sigma * rng.standard_normal(shape))
+        return np.clip(np.ceil(x * cap - 1e-9), 1, cap).astype(np.int64)
+
+    def describe(self) -> str:
+        if self.kind == "empirical":
+            return f"empirical ({len(self.fractions)} measured fractions of the budget)"
+        return (f"lognormal fraction of the budget: median {math.exp(self.mu):.3g}, "
+                f"sigma {self.sigma:.3g}")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The shape of the simulated job."""
+
+    ranks: int
+    samples_per_rank: int
+    prompt_len: int
+    max_new_tokens: int
+    max_draft_tokens: int
+    accept_prob: float = 1.0
+    draft_concurrency: int = 8        # BubbleDrafter's max_in_flight
+    draft_chunk: int = 2              # spec.draft_chunk
+    jitter: float = 0.0               # log-sd of a rank's rollout speed, drawn per rank and step
+    spec: bool = True
+
+    def __post_init__(self):
+        for name in ("ranks", "samples_per_rank", "max_new_tokens", "draft_concurrency",
+                     "draft_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"setting {name} must be >= 1, got {getattr(self, name)}")
+        if self.jitter < 0:
+            raise ValueError(f"jitter must be >= 0, got {self.jitter}")
+        if not 0.0 <= self.accept_prob <= 1.0:
+            raise ValueError(f"accept_prob must be in [0, 1], got {self.accept_prob}")
+
+
+@dataclass
+class StepTrace:
+    """Per-step sums of both runs (arrays over steps)."""
+
+    rollout_off: list = field(default_factory=list)      # slowest rank's rollout time
+    rollout_on: list = field(default_factory=list)
+    idle_off: list = field(default_factory=list)         # rank-seconds
+    idle_on: list = field(default_factory=list)
+    verify_on: list = field(default_factory=list)        # slowest rank's verify time
+    drafting_on: list = field(default_factory=list)      # rank-seconds
+    step_off: list = field(default_factory=list)         # barrier + overshoot + train + reshard
+    step_on: list = field(default_factory=list)
+    decode_off: list = field(default_factory=list)       # per-sample decode steps, summed
+    decode_on: list = field(default_factory=list)
+    drafted_samples: list = field(default_factory=list)
+    drafted_tokens: list = field(default_factory=list)
+    accepted_tokens: list = field(default_factory=list)
+
+
+def _ratio(num: float, den: float) -> float:
+    return num / den if den else math.nan
+
+
+def summarize(trace: StepTrace, ranks: int) -> dict:
+    """The bench's numbers (``loop.bench.compare``) from a trace: cost ratios over steps >= 1,
+    bubble and draft numbers over all steps."""
+    t = {k: np.asarray(v, dtype=float) for k, v in vars(trace).items()}
+    s1 = slice(1, None)
+    roll_on, roll_off = t["rollout_on"][s1].sum(), t["rollout_off"][s1].sum()
+    verify = t["verify_on"][s1].sum()
+    drafted = t["drafted_samples"].sum()
+    return {
+        "steps": len(trace.rollout_off),
+        "ranks": ranks,
+        "bubble_ratio_off": _ratio(t["idle_off"].sum(), ranks * t["rollout_off"].sum()),
+        "bubble_ratio_on": _ratio(t["idle_on"].sum(), ranks * t["rollout_on"].sum()),
+        "bubble_utilization": _ratio(t["drafting_on"].sum(), t["idle_on"].sum()),
+        "decode_steps_ratio": _ratio(t["decode_on"][s1].sum(), t["decode_off"][s1].sum()),
+        "throughput_ratio": _ratio(roll_off, roll_on),
+        "throughput_ratio_with_verify": _ratio(roll_off, roll_on + verify),
+        "step_speedup": _ratio(t["step_off"][s1].sum(), t["step_on"][s1].sum()),
+        "accept_rate": _ratio(t["accepted_tokens"].sum(), t["drafted_tokens"].sum()),
+        "accepted_prefix_mean": _ratio(t["accepted_tokens"].sum(), drafted),
+        "drafted_tokens": float(t["drafted_tokens"].sum()),
+        "accepted_tokens": float(t["accepted_tokens"].sum()),
+        "rollout_time_off_s": float(t["rollout_off"].mean()),
+        "step_time_off_s": float(t["step_off"].mean()),
+    }
+
+
+def accepted_prefix(rng: np.random.Generator, drafted: np.ndarray,
+                    accept_prob: float) -> np.ndarray:
+    """Accepted tokens of drafts of ``drafted`` tokens: the leading run of independent
+    acceptances with probability ``accept_prob`` each, cut at the draft's end."""
+    if accept_prob >= 1.0:
+        return drafted.copy()
+    if accept_prob <= 0.0:
+        return np.zeros_like(drafted)
+    run = np.floor(np.log(rng.random(drafted.shape)) / math.log(accept_prob))
+    return np.minimum(run, drafted).astype(np.int64)
+
+
+def _speed(rng: np.random.Generator, ranks: int, jitter: float) -> np.ndarray:
+    if jitter == 0:
+        return np.ones(ranks)
+    return np.exp(jitter * rng.standard_normal(ranks) - jitter ** 2 / 2)
+
+
+def simulate(setting: Setting, costs: StepCosts, lengths: LengthModel | None = None, *,
+             steps: int = 20, seed: int = 0, measured_lengths: np.ndarray | None = None) -> dict:
+    """Simulate ``steps`` paired steps; returns ``summarize``'s dict plus ``trace`` (per step).
+
+    ``measured_lengths`` (steps, ranks, samples_per_rank) replays given response lengths instead
+    of drawing them from ``lengths`` (then ``steps`` is its first dimension).
+    """
+    rng = np.random.default_rng(seed)
+    R, B, P = setting.ranks, setting.samples_per_rank, setting.prompt_len
+    if measured_lengths is not None:
+        all_lengths = np.asarray(measured_lengths, dtype=np.int64)
+        if all_lengths.ndim != 3 or all_lengths.shape[1:] != (R, B):
+            raise ValueError(f"measured lengths of shape {all_lengths.shape}: expected "
+                             f"(steps, {R}, {B}) for {R} ranks of {B} samples")
+    else:
+        if lengths is None:
+            raise ValueError("simulate needs a length model or measured lengths")
+        all_lengths = lengths.sample(rng, (steps, R, B), setting.max_new_tokens)
+    engine = costs.engine
+    budget = min(setting.max_draft_tokens, setting.max_new_tokens)
+    drafting = setting.spec and budget > 0
+    trace = StepTrace()
+    drafts = np.zeros((R, B), dtype=np.int64)
+    for step, n in enumerate(all_lengths):
+        # BubbleSpec off: every token decoded
+        none = np.zeros_like(n)
+        roll_off = engine.rollout(n - 1, none, P) * _speed(rng, R, setting.jitter)
+        t_off = roll_off.max()
+        train = costs.train_token_s * (n + P).sum(axis=-1).max()
+        # BubbleSpec on: verify the drafts made in the previous step's bubble, then roll out
+        verified = drafts
+        accepted = accepted_prefix(rng, verified, setting.accept_prob)
+        known = np.where(verified > 0, np.minimum(accepted + 1, n), 0)
+        decode_on = np.maximum(n - known - 1, 0)
+        verify = np.where((verified > 0).any(axis=-1), costs.verify_s + costs.verify_token_s
+                          * np.where(verified > 0, P + verified, 0).sum(axis=-1), 0.0)
+        roll_on = engine.rollout(decode_on, known, P) * _speed(rng, R, setting.jitter)
+        arrive = verify + roll_on
+        close = arrive.max()
+        drafting_s = overshoot = np.zeros(R)
+        drafts = np.zeros((R, B), dtype=np.int64)
+        if drafting and step + 1 < len(all_lengths):
+            draft_lens = np.minimum(all_lengths[step + 1].reshape(-1), budget)
+            outcome = draft_in_bubble(arrive, draft_lens, engine, P,
+                                      concurrency=setting.draft_concurrency,
+                                      chunk=setting.draft_chunk)
+            drafts = outcome.tokens.reshape(R, B)
+            drafting_s, overshoot = outcome.drafting_s, outcome.overshoot_s
+        trace.rollout_off.append(t_off)
+        trace.rollout_on.append(roll_on.max())
+        trace.idle_off.append((t_off - roll_off).sum())
+        trace.idle_on.append((close - arrive + overshoot).sum())   # idle as a rank observes it
+        trace.verify_on.append(verify.max())
+        trace.drafting_on.append(drafting_s.sum())
+        trace.step_off.append(t_off + train + costs.reshard_s)
+        trace.step_on.append(close + overshoot.max() + train + costs.reshard_s)
+        trace.decode_off.append((n - 1).sum())
+        trace.decode_on.append(decode_on.sum())
+        trace.drafted_samples.append((verified > 0).sum())
+        trace.drafted_tokens.append(verified.sum())
+        trace.accepted_tokens.append(accepted.sum())
+    return {**summarize(trace, R), "trace": {k: [float(x) for x in v]
+                                              for k, v in vars(trace).items()}}

@@ -1,0 +1,177 @@
+"""Simulation result (calibration, check, prediction grid) -> console tables, simulate.md,
+simulate.json and simulate.png."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from megatron_bubblespec.loop.bench import _json_safe
+from megatron_bubblespec.metrics.formatting import number, percent
+
+# (label, key, formatter) of the calibration check, in row order.
+CHECK_ROWS = (
+    ("bubble ratio, off run", "bubble_ratio_off", percent),
+    ("bubble ratio, on run", "bubble_ratio_on", percent),
+    ("decode steps on / off", "decode_steps_ratio", number),
+    ("throughput on vs off", "throughput_ratio", number),
+    ("throughput with verify", "throughput_ratio_with_verify", number),
+    ("bubble utilization", "bubble_utilization", percent),
+    ("accept rate", "accept_rate", percent),
+)
+CHECK_MODES = (("replay", "replay"), ("replay_no_jitter", "replay, no noise"),
+               ("sampled", "sampled lengths"))
+# (header, key, formatter) of the prediction table, in column order.
+PREDICTION_COLUMNS = (
+    ("bubble off", "bubble_ratio_off", percent),
+    ("bubble on", "bubble_ratio_on", percent),
+    ("decode on/off", "decode_steps_ratio", number),
+    ("rollout x", "throughput_ratio", number),
+    ("+verify x", "throughput_ratio_with_verify", number),
+    ("step x", "step_speedup", number),
+    ("accept", "accept_rate", percent),
+)
+
+
+def _f(fmt, x) -> str:
+    return fmt(math.nan if x is None else float(x))
+
+
+def _err(x) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{100 * x:+.0f}%"
+
+
+def _context(tokens: int) -> str:
+    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
+
+
+def check_table(check: Mapping) -> tuple[list[str], list[list[str]]]:
+    modes = [(key, label) for key, label in CHECK_MODES if key in check]
+    header = ["metric", "measured"] + [f"{h}{label}" for _, label in modes for h in ("", "err ")]
+    rows = []
+    for label, key, fmt in CHECK_ROWS:
+        any_mode = check[modes[0][0]][key]
+        row = [label, _f(fmt, any_mode["measured"])]
+        for mode, _ in modes:
+            cell = check[mode][key]
+            row += [_f(fmt, cell["simulated"]), _err(cell["rel_error"])]
+        rows.append(row)
+    return header, rows
+
+
+def prediction_table(predictions: Sequence[Mapping]) -> tuple[list[str], list[list[str]]]:
+    header = ["ranks", "context"] + [h for h, _, _ in PREDICTION_COLUMNS]
+    rows = [[str(p["ranks"]), _context(p["context"])]
+            + [_f(fmt, p[key]) for _, key, fmt in PREDICTION_COLUMNS] for p in predictions]
+    return header, rows
+
+
+def _markdown_table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "---:|" * (len(header) - 1)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _rich_table(title: str, header: list[str], rows: list[list[str]], caption: str) -> Table:
+    table = Table(title=title, caption=caption, box=box.SIMPLE_HEAD, pad_edge=False)
+    for i, name in enumerate(header):
+        table.add_column(name, justify="left" if i == 0 else "right", no_wrap=True)
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+CHECK_CAPTION = ("replay: the measured lengths of every rank and step; err: simulated / measured "
+                 "- 1; noise: the fitted rank timing noise")
+PREDICTION_CAPTION = ("bubble: idle share of rank rollout time; rollout x: off / on rollout time; "
+                      "+verify x: including the verify forward; step x: whole step (train, "
+                      "reshard, overshoot)")
+
+
+def describe(result: Mapping) -> list[str]:
+    """The assumptions of the run, one line each."""
+    cal, grid = result["calibration"], result["grid"]
+    s = grid["setting"]
+    return [
+        f"calibrated from `{cal['source']['bench']}`"
+        + (f" and `{', '.join(cal['source']['engine'])}`" if cal['source']['engine'] else "")
+        + f" (engine `{cal['source']['engine_name']}`)",
+        *cal["notes"],
+        f"grid: {s['samples_per_rank']} samples per rank, prompt {s['prompt_len']} tokens, "
+        f"response budget = context - prompt, draft budget {grid['draft_budget']}, "
+        f"acceptance per token {s['accept_prob']:.4g}, rank timing noise (log-sd) "
+        f"{s['jitter']:.3g}, {s['draft_concurrency']} drafts in flight, chunk {s['draft_chunk']}",
+        f"lengths: {grid['lengths']}",
+        f"{grid['steps']} steps x {grid['seeds']} seeds per point; cost ratios over steps >= 1",
+    ]
+
+
+def print_result(result: Mapping, console: Console | None = None) -> None:
+    if console is None:
+        console = Console()
+        if not console.is_terminal:    # piped: do not cut the tables at 80 columns
+            console = Console(width=160)
+    console.print(_rich_table("Calibration check: simulator at the measured setting vs the bench",
+                              *check_table(result["check"]), CHECK_CAPTION))
+    console.print(_rich_table("Predicted BubbleSpec effect (simulated)",
+                              *prediction_table(result["predictions"]), PREDICTION_CAPTION))
+    for line in describe(result):
+        console.print(f"[dim]{line}[/dim]")
+
+
+def markdown(result: Mapping) -> str:
+    return "\n".join([
+        "# BubbleSpec at scale: simulated", "",
+        *[f"- {line}" for line in describe(result)], "",
+        "## Calibration check", "", CHECK_CAPTION + ".", "",
+        _markdown_table(*check_table(result["check"])), "",
+        "## Predictions", "", PREDICTION_CAPTION + ".", "",
+        _markdown_table(*prediction_table(result["predictions"])), "",
+    ])
+
+
+def plot(result: Mapping, path: Path) -> None:
+    """Three panels against DP ranks, one line per context: bubble off, decode steps ratio,
+    rollout speedup with verify."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import PercentFormatter
+
+    predictions = result["predictions"]
+    fig = Figure(figsize=(13, 4))
+    FigureCanvasAgg(fig)
+    panels = (("bubble ratio, BubbleSpec off", "bubble_ratio_off"),
+              ("decode steps on / off", "decode_steps_ratio"),
+              ("rollout speedup incl. verify", "throughput_ratio_with_verify"))
+    for i, (title, key) in enumerate(panels):
+        ax = fig.add_subplot(1, 3, i + 1)
+        for context in sorted({p["context"] for p in predictions}):
+            points = sorted((p["ranks"], p[key]) for p in predictions if p["context"] == context)
+            ax.plot([r for r, _ in points], [v if v is not None else math.nan for _, v in points],
+                    marker="o", label=f"{_context(context)} context")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("data-parallel ranks")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        if key == "bubble_ratio_off":
+            ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    fig.axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write(result: Mapping, out_dir: str | Path) -> list[Path]:
+    """simulate.json, simulate.md and simulate.png under ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "simulate.json", out / "simulate.md", out / "simulate.png"]
+    paths[0].write_text(json.dumps(_json_safe(result), indent=1, allow_nan=False) + "\n")
+    paths[1].write_text(markdown(result))
+    plot(result, paths[2])
+    return paths
