@@ -23,7 +23,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_runs(tmp_path_factory):
     """configs/tiny.yaml trained twice, BubbleSpec on and off (records, rollouts, final weights);
-    run directories ``root/on`` and ``root/off``."""
+    run directories ``root/spec-on`` and ``root/spec-off`` (a bare ``on`` would parse as a YAML
+    boolean)."""
     from megatron_bubblespec.config import load_config
     from megatron_bubblespec.loop.train import train
 
@@ -33,4 +34,4 @@ def tiny_runs(tmp_path_factory):
         cfg = load_config(TINY, [f"run.output_dir={root}", f"run.name={name}", *QUIET, *overrides])
         return train(cfg, return_weights=True)
 
-    return SimpleNamespace(root=root, on=run("on"), off=run("off", "spec.enabled=false"))
+    return SimpleNamespace(root=root, on=run("spec-on"), off=run("spec-off", "spec.enabled=false"))

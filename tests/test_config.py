@@ -23,6 +23,7 @@ def test_defaults_and_overrides(tmp_path):
     (["parallel.tensor=2"], "parallel.tensor x parallel.pipeline x parallel.context x parallel.data"),
     (["rollout.prompts_per_step=3"], "rollout.prompts_per_step"),
     (["spec.rule=lenient"], "spec.rule"),
+    (["spec.verifier=engine"], "spec.verifier=engine"),
     (["noequals"], "key=value"),
     (["bogus.key=1"], "bogus"),
 ])

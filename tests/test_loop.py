@@ -111,6 +111,16 @@ def test_previous_epoch_drafts_stay_exact(tmp_path):
     assert [r["spec/drafted_tokens"] > 0 for r in on["records"]] == [False, True, True]
 
 
+def test_engine_side_verification_stays_exact(tmp_path):
+    """spec.verifier=engine (the reference engine verifies instead of Megatron) gives the plain
+    run's tokens."""
+    reference = ("rollout.engine=reference", "run.steps=3")
+    on = train(_cfg(tmp_path, "engine-on", *reference, "spec.verifier=engine"))
+    off = train(_cfg(tmp_path, "engine-off", *reference, "spec.enabled=false"))
+    assert on["rollouts"] == off["rollouts"]
+    assert sum(r["spec/accepted_tokens"] for r in on["records"]) > 0
+
+
 @pytest.mark.parametrize("override,key", [
     ("spec.enable=false", "spec.enable"),
     ("rollout.temperature=warm", "rollout.temperature"),

@@ -58,7 +58,7 @@ def _rollouts(run: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_runs, tmp_path_factory):
     """The uninterrupted 4-step run (BubbleSpec on) and a directory for the interrupted ones."""
-    return tmp_path_factory.mktemp("resume"), tiny_runs.root / "on", tiny_runs.on
+    return tmp_path_factory.mktemp("resume"), tiny_runs.root / "spec-on", tiny_runs.on
 
 
 def test_killed_after_step_two_resumes_to_identical_tokens_and_weights(uninterrupted):

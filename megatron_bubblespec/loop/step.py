@@ -58,11 +58,11 @@ def verify_drafts(rep: Replica, requests: list[RolloutRequest], sample_range,
     if not drafts:
         return requests, metrics
     spec = rep.cfg.spec
-    if spec.rule == "keyed":
+    if spec.rule == "keyed" and spec.verifier == "megatron":
         result = rep.verifier.verify([requests[i] for i in drafted], drafts, rep.params,
                                      micro_batch_size=rep.cfg.train.micro_batch_size)
         verify_s = rep.verifier.last_seconds
-    else:  # ablation rules: the reference engine holds both policies (TP = PP = 1)
+    else:  # the reference engine verifies (TP = PP = 1); the ablation rules need its two policies
         start = time.perf_counter()
         result = rep.engine.verify([requests[i] for i in drafted], drafts, rep.params,
                                    rule=spec.rule, lenience=spec.lenience)
