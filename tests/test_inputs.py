@@ -185,9 +185,14 @@ def test_jsonl_needs_an_existing_path(tmp_path):
         _cfg(f"data.path={path}")
 
 
-@pytest.mark.parametrize("config", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+# The configs whose model ships with the package (tiny, smollm2); the cluster configs point at
+# checkpoints users download and need a GPU, and tests/test_configs.py checks them.
+RUNNABLE_HERE = ("tiny.yaml", "default.yaml")
+
+
+@pytest.mark.parametrize("config", RUNNABLE_HERE)
 def test_shipped_configs_pass_the_preflight(config):
-    report = preflight(load_config(config))
+    report = preflight(load_config(ROOT / "configs" / config))
     assert report.prompts_checked >= 1 and report.longest_prompt >= 1
 
 

@@ -60,10 +60,14 @@ def _history(out_dir: Path, start_step: int) -> tuple[list[dict], list[dict]]:
         f.writelines(json.dumps({k: None if isinstance(v, float) and math.isnan(v) else v
                                  for k, v in r.items()}) + "\n" for r in records)
     with open(out_dir / "rollouts.jsonl", "w") as f:
-        f.writelines(json.dumps({"step": step, "responses": {str(g): t for g, t in
-                                                             sorted(responses.items())}}) + "\n"
-                     for step, responses in enumerate(rollouts))
+        f.writelines(_rollout_line(step, responses) for step, responses in enumerate(rollouts))
     return records, rollouts
+
+
+def _rollout_line(step: int, responses: dict[int, list[int]]) -> str:
+    """One line of rollouts.jsonl: the step's response tokens by global sample index."""
+    return json.dumps({"step": step, "responses": {str(g): t for g, t in
+                                                   sorted(responses.items())}}) + "\n"
 
 
 def _preempted(flag: PreemptionFlag) -> bool:
@@ -153,9 +157,7 @@ def train_rank(cfg: Config, return_weights: bool = False) -> dict | None:
                 step_rollouts = {g: t for o in outputs for g, t in o.rollouts.items()}
                 rollouts.append(step_rollouts)
                 with open(out_dir / "rollouts.jsonl", "a") as f:
-                    f.write(json.dumps({"step": step, "responses": {str(g): t for g, t in
-                                                                     sorted(step_rollouts.items())}})
-                            + "\n")
+                    f.write(_rollout_line(step, step_rollouts))
                 if progress:
                     progress.update(step, record)
             done = step + 1
