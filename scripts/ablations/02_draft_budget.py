@@ -1,0 +1,62 @@
+"""Study 2: the draft budget, spec.max_draft_tokens (tokens drafted per sample) and spec.draft_chunk
+(samples a fast rank claims from the shared cursor at a time).
+
+A larger token budget lets a draft cover more of a response but spends the bubble on fewer
+samples; a larger chunk makes fewer claims but leaves the cursor's tail less evenly shared. Each
+knob is swept around the config's value of the other (``--full-grid``: every pair). Spec keys do
+not change the plain run, so all variants share one off run.
+
+    python scripts/ablations/02_draft_budget.py [--config configs/tiny.yaml] [--steps N]
+        [--max-draft-tokens 8,24,48] [--draft-chunk 1,2,4] [--full-grid] [dotted overrides...]
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import common
+from megatron_bubblespec.metrics.formatting import count, number, percent
+
+STUDY = "02_draft_budget"
+TITLE = "Draft budget: tokens per draft and draft chunk"
+COLUMNS = (common.Column("drafted tok", "drafted_tokens", count),
+           common.Column("accepted tok", "accepted_tokens", count),
+           *common.DEFAULT_COLUMNS)
+
+
+def main(argv=None) -> None:
+    p = common.parser(__doc__)
+    p.add_argument("--max-draft-tokens", type=common.csv(int), default=[8, 24, 48],
+                   help="values of spec.max_draft_tokens (default %(default)s)")
+    p.add_argument("--draft-chunk", type=common.csv(int), default=[1, 2, 4],
+                   help="values of spec.draft_chunk (default %(default)s)")
+    p.add_argument("--full-grid", action="store_true",
+                   help="every (max_draft_tokens, draft_chunk) pair instead of one knob at a time")
+    args = p.parse_args(argv)
+    common.learning_defaults(args)
+    spec = common.load(args.config, common.base_overrides(args)).spec
+    if args.full_grid:
+        pairs = list(itertools.product(args.max_draft_tokens, args.draft_chunk))
+    else:
+        pairs = [(m, spec.draft_chunk) for m in args.max_draft_tokens]
+        pairs += [(spec.max_draft_tokens, c) for c in args.draft_chunk]
+    pairs = list(dict.fromkeys(pairs))
+    variants = [common.Variant(f"{m} tok, chunk {c}",
+                               [f"spec.max_draft_tokens={m}", f"spec.draft_chunk={c}"])
+                for m, c in pairs]
+    result = common.run_study(STUDY, args, variants)
+    common.finish(result, TITLE, COLUMNS, panels=[
+        common.bars("accept_rate", "accept rate (accepted / drafted tokens)", percent),
+        common.bars("accepted_tokens", "accepted tokens (all steps)", count),
+        common.bars("decode_steps_ratio", "decode steps on / off (steps >= 1)"),
+        common.bars("throughput_ratio_with_verify", "throughput on vs off, incl. verify"),
+        common.bars("bubble_utilization", "share of the bubble spent drafting", percent),
+        common.bars("accepted_prefix_mean", "accepted prefix per drafted sample (tokens)", number),
+    ], extra=[
+        "## Drafted tokens per step", "",
+        common.per_step_table(result["runs"], "spec/drafted_tokens", count, off=False),
+    ])
+
+
+if __name__ == "__main__":
+    main()

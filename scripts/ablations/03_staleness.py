@@ -1,0 +1,60 @@
+"""Study 3: draft staleness. BubbleSpec drafts a step's samples one step ahead (made by the policy
+of step t - 1, spec.draft_lookahead=1); k steps ahead (spec.draft_lookahead=k) they are k policy
+updates old; SPEC-RL-like drafts are the prompt's responses from the previous epoch
+(spec.draft_source=previous_epoch), older still and drawn with another step's sampling keys.
+
+So that the previous-epoch variant has drafts within a short run, every run (off runs included)
+uses a dataset of ``--epoch-steps`` steps' worth of prompts (data.size = epoch_steps x
+rollout.prompts_per_step; 0 keeps the config's). All variants share one off run.
+
+    python scripts/ablations/03_staleness.py [--config configs/tiny.yaml] [--steps N]
+        [--lookahead 1,2,3] [--no-previous-epoch] [--epoch-steps 2] [dotted overrides...]
+"""
+
+from __future__ import annotations
+
+import common
+from megatron_bubblespec.metrics.formatting import count, percent
+
+STUDY = "03_staleness"
+TITLE = "Draft staleness: 1 step vs k steps vs previous epoch"
+COLUMNS = (common.Column("drafted tok", "drafted_tokens", count),
+           *common.DEFAULT_COLUMNS)
+
+
+def main(argv=None) -> None:
+    p = common.parser(__doc__)
+    p.add_argument("--lookahead", type=common.csv(int), default=[1, 2, 3],
+                   help="values of spec.draft_lookahead (default %(default)s)")
+    p.add_argument("--no-previous-epoch", dest="previous_epoch", action="store_false",
+                   help="leave out the spec.draft_source=previous_epoch variant")
+    p.add_argument("--epoch-steps", type=int, default=2,
+                   help="steps per epoch of every run (default %(default)s; 0 = the config's)")
+    args = p.parse_args(argv)
+    common.learning_defaults(args, min_steps=8)
+    if args.epoch_steps:
+        prompts = common.load(args.config, common.base_overrides(args)).rollout.prompts_per_step
+        args.overrides = [f"data.size={args.epoch_steps * prompts}", *args.overrides]
+    variants = [common.Variant(f"{k} step{'s' * (k > 1)} old",
+                               ["spec.draft_source=bubble", f"spec.draft_lookahead={k}"])
+                for k in args.lookahead]
+    if args.previous_epoch:
+        variants.append(common.Variant("previous epoch", ["spec.draft_source=previous_epoch"]))
+    result = common.run_study(STUDY, args, variants)
+    common.finish(result, TITLE, COLUMNS, panels=[
+        common.bars("accept_rate", "accept rate (accepted / drafted tokens)", percent),
+        common.bars("accepted_prefix_mean", "accepted prefix per drafted sample (tokens)"),
+        common.bars("decode_steps_ratio", "decode steps on / off (steps >= 1)"),
+        common.bars("throughput_ratio_with_verify", "throughput on vs off, incl. verify"),
+        common.curves("spec/accept_rate", "accept rate per step", off=False),
+        common.curves("spec/drafted_tokens", "drafted tokens per step", off=False),
+    ], extra=[
+        "## Accept rate per step", "",
+        common.per_step_table(result["runs"], "spec/accept_rate", percent, off=False), "",
+        "## Drafted tokens per step", "",
+        common.per_step_table(result["runs"], "spec/drafted_tokens", count, off=False),
+    ])
+
+
+if __name__ == "__main__":
+    main()

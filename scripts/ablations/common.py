@@ -1,0 +1,547 @@
+"""What the ablation studies share: variants (override sets) -> paired BubbleSpec on / off runs, one
+off run per distinct baseline -> per-variant summaries -> <out>/<study>/results.json, table.md,
+plot.png.
+
+A variant's overrides apply to its on run (``spec.enabled=true``). Its off run is the same config
+with ``spec.enabled=false`` and the variant's ``spec.*`` overrides left out: with BubbleSpec off no
+spec key reaches the rollout, so variants that differ only in spec keys (draft budget, staleness,
+verification rule, continuation) share one off run, while variants that change the run itself
+(learning rate, DP size, length cap, task, engine) get their own. The comparison is the package's:
+``loop.bench.compare`` (decode-step, time, bubble and acceptance ratios, lr, policy drift) and
+``loop.bench.token_mismatch`` (tokens that differ from the off run; 0 for an exact rule).
+
+Every run writes its run directory (metrics.jsonl, rollouts.jsonl, config.yaml) and its console log
+under <out>/<study>/runs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from megatron_bubblespec.config import ConfigError, load_config
+from megatron_bubblespec.loop.bench import _json_safe, compare, machine, token_mismatch
+from megatron_bubblespec.metrics.formatting import (MISSING, count, number, percent, scientific,
+                                                     seconds, value)
+from megatron_bubblespec.metrics.reduce import mean_of, pooled_ratio
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "tiny.yaml"
+# Every run of a study: no live display, no TensorBoard, no per-run PNG (the study draws its own).
+QUIET = ("logging.progress=false", "logging.tensorboard=false", "logging.plot=false")
+
+Summary = Mapping[str, object]
+
+
+@dataclass
+class Variant:
+    """One point of a study's grid: a label for tables and plots, and its dotted overrides."""
+
+    label: str
+    overrides: list[str] = field(default_factory=list)
+    group: str = ""  # the variant it repeats with another seed (--seeds); "" = itself
+
+    @property
+    def off_overrides(self) -> list[str]:
+        """The overrides of this variant's off run: the same, without the spec.* keys."""
+        return [o for o in self.overrides if not o.startswith("spec.")]
+
+
+# ---------------------------------------------------------------------------------------------
+# command line
+
+# The learning regime of the studies, per model.path: a learning rate at which the reward really
+# improves, the steps a reward curve needs to show it (``curve_steps``) and the steps of a grid
+# study (``grid_steps``: enough for the drift to settle after the first large updates and for the
+# timing-dependent drafting to average out). configs/tiny.yaml, measured without BubbleSpec: lr 3e-3
+# lifts the mean reward of the synthetic task from 0.03 (steps 0-9) to 0.32 (steps 50-59), drift
+# KL about 1e-1 per step over the first 4 steps and 1e-2 later; its own lr 1e-4 leaves the reward
+# flat (and every draft accepted); 1e-2 collapses to max-length responses. Models without an
+# entry use their config's train.lr and run.steps.
+LEARNING = {"tiny": {"lr": 3e-3, "curve_steps": 60, "grid_steps": 12}}
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The flags every study takes; a study adds its own grid flags to it."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=os.path.relpath(TINY),
+                   help="YAML config (default configs/tiny.yaml; configs/default.yaml = SmolLM2)")
+    p.add_argument("--out", default="results/ablations",
+                   help="results root; the study writes under <out>/<study>/ (default %(default)s)")
+    p.add_argument("--steps", type=int, default=None, help="training steps per run (default: "
+                   "the study's, else the config's run.steps)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate of every run "
+                   "(default: the model's entry in LEARNING, else the config's train.lr)")
+    p.add_argument("--seeds", type=csv(int), default=None,
+                   help="repeat every variant with each of these run.seed values (each seed with "
+                        "its own off run); table.md then adds the mean over seeds")
+    p.add_argument("--render-only", action="store_true",
+                   help="start no run: redraw table.md and plot.png from the study's results.json")
+    p.add_argument("--dry-run", action="store_true",
+                   help="validate every run's config and list the runs, start none")
+    p.add_argument("overrides", nargs="*",
+                   help="dotted overrides for every run, e.g. rollout.prompts_per_step=8")
+    return p
+
+
+def csv(kind):
+    """argparse type: 'a,b,c' -> [kind(a), kind(b), kind(c)]."""
+    def parse(text: str) -> list:
+        return [kind(x) for x in text.split(",") if x]
+    return parse
+
+
+def learning_defaults(args, curve: bool = False, min_steps: int = 1, lr: bool = True) -> None:
+    """Fill in what the user left out from LEARNING for the config's model: --lr (unless ``lr`` is
+    False: the study sweeps it) and --steps (``curve_steps`` for a study of reward curves, else
+    ``grid_steps``; the config's run.steps for other models), at least ``min_steps``."""
+    cfg = load(args.config, list(args.overrides))
+    recipe = LEARNING.get(cfg.model.path, {})
+    if lr and args.lr is None and "train.lr" not in _keys(args.overrides):
+        args.lr = recipe.get("lr")
+    if args.steps is None and "run.steps" not in _keys(args.overrides):
+        steps = recipe.get("curve_steps" if curve else "grid_steps", cfg.run.steps)
+        args.steps = max(steps, min_steps)
+
+
+def _keys(overrides: Sequence[str]) -> set[str]:
+    return {o.split("=", 1)[0] for o in overrides}
+
+
+def base_overrides(args) -> list[str]:
+    """Overrides shared by all runs of a study: quiet logging, --steps, --lr, then the user's."""
+    out = list(QUIET)
+    if args.steps is not None:
+        out.append(f"run.steps={args.steps}")
+    if args.lr is not None:
+        out.append(f"train.lr={args.lr}")
+    return out + list(args.overrides)
+
+
+# ---------------------------------------------------------------------------------------------
+# running
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", text).strip("_") or "run"
+
+
+@contextlib.contextmanager
+def _console_to(path: Path):
+    """Send this process's stdout/stderr (and the rank processes it spawns) to ``path``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    with open(path, "w") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+
+
+def load(config: str, overrides: Sequence[str]):
+    """The validated Config of ``config`` + ``overrides``; a config error ends the script."""
+    try:
+        return load_config(config, list(overrides))
+    except ConfigError as err:
+        raise SystemExit(f"config error ({' '.join(overrides) or 'no overrides'}): {err}")
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def train_run(config: str, overrides: Sequence[str], runs_dir: Path, name: str) -> dict:
+    """One training run (its console output to runs_dir/name.log) -> records, rollouts, timing."""
+    from megatron_bubblespec.loop.train import train
+
+    cfg = load(config, [*overrides, f"run.output_dir={runs_dir}", f"run.name={name}"])
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    print(f"  run {name}: {' '.join(o for o in overrides if o not in QUIET)}", flush=True)
+    load_before, t0 = _loadavg(), time.perf_counter()
+    with _console_to(runs_dir / f"{name}.log"):
+        out = train(cfg)
+    wall = time.perf_counter() - t0
+    print(f"    {wall:.0f} s (load average before {load_before}, after {_loadavg()})", flush=True)
+    return {"name": name, "dir": str(runs_dir / name), "records": out["records"],
+            "rollouts": out["rollouts"], "wall_s": wall, "loadavg_before": load_before,
+            "loadavg_after": _loadavg(), "lr_config": cfg.train.lr, "steps": cfg.run.steps}
+
+
+def reward_ends(records: Sequence[Mapping]) -> tuple[float, float]:
+    """Mean reward over the first and over the last quarter of the steps (at least one step)."""
+    k = max(1, len(records) // 4)
+    return mean_of(records[:k], "train/reward_mean"), mean_of(records[-k:], "train/reward_mean")
+
+
+def summarize(variant: Variant, on: dict, off: dict) -> dict:
+    """The variant's numbers: the package's on/off comparison plus token mismatch, reward ends,
+    run times. ``lr`` falls back to the configured one when the runs did not log it."""
+    result = compare(on["records"], off["records"])
+    if math.isnan(result["lr"]):
+        result["lr"] = on["lr_config"]
+    mismatch, mismatch_samples = token_mismatch(on["rollouts"], off["rollouts"])
+    return with_series_numbers({
+        "label": variant.label,
+        "group": variant.group or variant.label,
+        "overrides": variant.overrides,
+        "off_overrides": variant.off_overrides,
+        "run_on": on["dir"],
+        "run_off": off["dir"],
+        **result,
+        "token_mismatch": mismatch,
+        "token_mismatch_samples": mismatch_samples,
+        "wall_on_s": on["wall_s"], "wall_off_s": off["wall_s"],
+        "loadavg_on": [on["loadavg_before"], on["loadavg_after"]],
+        "loadavg_off": [off["loadavg_before"], off["loadavg_after"]],
+        "series": {"on": list(on["records"]), "off": list(off["records"])},
+    })
+
+
+def with_series_numbers(summary: dict) -> dict:
+    """Add the numbers computed from the per-step series: reward of the first / last quarter of
+    the steps (on and off), and ``decode_steps_saved_frac`` = 1 - the on run's decode steps / the
+    plain decode steps of its own responses over steps >= 1, the saving a run made on its own
+    tokens (it equals 1 - decode_steps_ratio when the rule is exact; an inexact rule's responses
+    differ from the off run's, so only this one compares)."""
+    on, off = summary["series"]["on"], summary["series"]["off"]
+    summary["reward_first_on"], summary["reward_last_on"] = reward_ends(on)
+    summary["reward_first_off"], summary["reward_last_off"] = reward_ends(off)
+    on1 = [r for r in on if value(r, "step") >= 1]
+    summary["decode_steps_saved_frac"] = 1.0 - pooled_ratio(on1, "rollout/decode_steps",
+                                                            "rollout/decode_steps_plain")
+    return summary
+
+
+def run_study(study: str, args, variants: Sequence[Variant]) -> dict:
+    """Run every variant's on run and the distinct off runs; return the study's result (also
+    written to <out>/<study>/results.json after each variant, so a long study can be watched)."""
+    out = Path(args.out) / study
+    runs_dir = out / "runs"
+    base = base_overrides(args)
+    if args.seeds:
+        variants = [Variant(f"{v.label}, seed {seed}", [*v.overrides, f"run.seed={seed}"],
+                            v.label) for v in variants for seed in args.seeds]
+    for v in variants:  # validate everything before the first run starts
+        load(args.config, [*base, *v.overrides, "spec.enabled=true"])
+        load(args.config, [*base, *v.off_overrides, "spec.enabled=false"])
+    if args.render_only:
+        path = out / "results.json"
+        if not path.is_file():
+            raise SystemExit(f"--render-only: {path} does not exist; run the study first")
+        result = json.loads(path.read_text())
+        result["runs"] = [with_series_numbers(s) for s in result["runs"]]
+        return result
+    if args.dry_run:
+        offs = list(dict.fromkeys(tuple(v.off_overrides) for v in variants))
+        print(f"{study}: base {' '.join(base)}")
+        for key in offs:
+            print(f"  off: {' '.join(key) or '(base)'}")
+        for v in variants:
+            print(f"  on {v.label!r}: {' '.join(v.overrides) or '(base)'} "
+                  f"(off run {offs.index(tuple(v.off_overrides))})")
+        raise SystemExit(0)
+    started, t0 = datetime.datetime.now().astimezone(), time.perf_counter()
+    result = {"study": study, "out": str(out), "config": args.config, "base_overrides": base,
+              "variants": [{"label": v.label, "overrides": v.overrides} for v in variants],
+              "runs": []}
+    offs: dict[tuple[str, ...], dict] = {}
+    broken: dict[tuple[str, ...], RunFailed] = {}  # off runs that failed: not tried twice
+    print(f"{study}: {len(variants)} variants, {len({tuple(v.off_overrides) for v in variants})} "
+          f"off run(s), config {args.config}; logs under {runs_dir}", flush=True)
+    result["failed"] = []
+    for i, v in enumerate(variants):
+        key = tuple(v.off_overrides)
+        try:
+            if key in broken:
+                raise broken[key]
+            if key not in offs:
+                try:
+                    offs[key] = _attempt(args.config, [*base, *key, "spec.enabled=false"],
+                                         runs_dir, f"off-{len(offs) + len(broken)}-"
+                                         f"{_slug(v.label)}")
+                except RunFailed as err:
+                    broken[key] = err
+                    raise
+            on = _attempt(args.config, [*base, *v.overrides, "spec.enabled=true"], runs_dir,
+                          f"on-{i}-{_slug(v.label)}")
+            result["runs"].append(summarize(v, on, offs[key]))
+        except RunFailed as err:
+            result["failed"].append({"label": v.label, "overrides": v.overrides, "run": err.run,
+                                     "error": err.message, "log": err.log})
+        result["machine"] = {**machine(), "started": started.isoformat(timespec="seconds"),
+                             "wall_s": time.perf_counter() - t0}
+        write_json(out / "results.json", result)
+    if not result["runs"]:
+        raise SystemExit(f"{study}: every run failed; see the logs under {runs_dir}")
+    return result
+
+
+class RunFailed(Exception):
+    def __init__(self, run: str, message: str, log: str):
+        super().__init__(f"{run}: {message}")
+        self.run, self.message, self.log = run, message, log
+
+
+def _attempt(config: str, overrides: Sequence[str], runs_dir: Path, name: str) -> dict:
+    """``train_run(...)``, or RunFailed with the error's last line: one failed variant (or its off
+    run) does not stop the study; its variants are listed as failed in the table."""
+    try:
+        return train_run(config, overrides, runs_dir, name)
+    except Exception as err:  # a rank's traceback arrives as the exception's text
+        lines = [line for line in str(err).strip().splitlines() if line.strip()]
+        message = lines[-1] if lines else type(err).__name__
+        print(f"    FAILED: {message} (log: {runs_dir / name}.log)", flush=True)
+        with open(runs_dir / f"{name}.log", "a") as log:
+            log.write(f"\n{err}\n")
+        raise RunFailed(name, message, str(runs_dir / f"{name}.log")) from None
+
+
+def write_json(path: Path, result: Mapping) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_json_safe(result), indent=1, allow_nan=False) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# table
+
+@dataclass(frozen=True)
+class Column:
+    header: str
+    key: str
+    fmt: Callable[[float], str]
+
+    def cell(self, summary: Summary) -> str:
+        x = summary.get(self.key)
+        return self.fmt(math.nan if x is None else float(x))
+
+
+def _reward_cell(summary: Summary) -> str:
+    return (f"{number(value(summary, 'reward_first_on'))} → "
+            f"{number(value(summary, 'reward_last_on'))}")
+
+
+ACCEPT = (Column("accept rate", "accept_rate", percent),
+          Column("accepted prefix", "accepted_prefix_mean", number))
+SPEED = (Column("decode steps on/off", "decode_steps_ratio", number),
+         Column("decode steps saved (own tokens)", "decode_steps_saved_frac", percent),
+         Column("throughput on vs off", "throughput_ratio", number),
+         Column("incl. verify", "throughput_ratio_with_verify", number),
+         Column("verify / rollout", "verify_overhead_frac", percent))
+BUBBLE = (Column("bubble (off run)", "bubble_ratio_off", percent),
+          Column("bubble used", "bubble_utilization", percent))
+EXACT = (Column("token mismatch", "token_mismatch", count),)
+TRAINING = (Column("lr", "lr", scientific),
+            Column("drift KL", "policy_drift_kl_mean", scientific))
+TIME = (Column("wall on", "wall_on_s", seconds), Column("wall off", "wall_off_s", seconds))
+DEFAULT_COLUMNS = ACCEPT + SPEED + BUBBLE + EXACT + TRAINING
+
+
+def markdown_table(runs: Sequence[Summary], columns: Sequence[Column] = DEFAULT_COLUMNS) -> str:
+    """One row per variant: label, overrides, the columns, reward first → last quarter, times."""
+    header = ["variant", "overrides", *(c.header for c in columns), "reward first → last (on)",
+              *(c.header for c in TIME)]
+    lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
+    for s in runs:
+        over = " ".join(f"`{o}`" for o in s["overrides"]) or MISSING
+        row = [str(s["label"]), over, *(c.cell(s) for c in columns), _reward_cell(s),
+               *(c.cell(s) for c in TIME)]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def per_step_table(runs: Sequence[Summary], key: str, fmt=number, off: bool = True) -> str:
+    """``key`` per step: one column per variant's on run, then one per distinct off run."""
+    cols = [(str(s["label"]), s["series"]["on"]) for s in runs]
+    if off:
+        cols += _distinct_offs(runs)
+    steps = max(len(series) for _, series in cols)
+    lines = ["| step | " + " | ".join(name for name, _ in cols) + " |",
+             "|---:|" + "---:|" * len(cols)]
+    for t in range(steps):
+        row = [fmt(value(series[t], key)) if t < len(series) else MISSING for _, series in cols]
+        lines.append(f"| {t} | " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def seed_means(runs: Sequence[Summary]) -> list[dict]:
+    """One summary per variant group (a variant repeated over --seeds): the mean of every number
+    over its runs (NaN skipped), its overrides without run.seed."""
+    groups: dict[str, list[Summary]] = {}
+    for s in runs:
+        groups.setdefault(str(s.get("group", s["label"])), []).append(s)
+    means = []
+    for label, members in groups.items():
+        mean = {"label": f"{label} (mean of {len(members)})" if len(members) > 1 else label,
+                "overrides": [o for o in members[0]["overrides"] if not o.startswith("run.seed=")]}
+        for key, x in members[0].items():
+            if isinstance(x, (int, float)) and not isinstance(x, bool):
+                mean[key] = mean_of(members, key)
+        means.append(mean)
+    return means
+
+
+def header_lines(result: Mapping, title: str) -> list[str]:
+    m = result["machine"]
+    load = " ".join(f"{x:.2f}" for x in m.get("loadavg_1_5_15") or ())
+    base = " ".join(f"`{o}`" for o in result["base_overrides"] if o not in QUIET) or "(none)"
+    return [
+        f"# {title}",
+        "",
+        f"config `{result['config']}`, overrides for every run {base}. "
+        "Ratios compare each variant's BubbleSpec run with its plain synchronous run (same seeds "
+        "and prompts) over steps >= 1; acceptance, bubble and drift over all steps; drift KL = "
+        "mean per-step KL between consecutive policies (on run); token mismatch = response "
+        "tokens that differ from the plain run (0 for an exact rule); reward = mean of the first "
+        "and of the last quarter of the steps.",
+        f"machine: {m['cpus_usable']} of {m['cpu_count']} CPUs (shared), torch {m['torch']}, "
+        f"{m['cuda'] or 'no GPU'}; {m['started']} to {m['date']} ({m['wall_s']:.0f} s), load "
+        f"average at the end {load}.",
+        "",
+    ]
+
+
+def write_table(result: Mapping, title: str, columns: Sequence[Column] = DEFAULT_COLUMNS,
+                extra: Sequence[str] = ()) -> Path:
+    """<out>/<study>/table.md: header, the variant table, then the study's extra sections."""
+    failed = [f"- {f['label']} (`{' '.join(f['overrides'])}`): run {f['run']} failed: "
+              f"{f['error']} (log `{f['log']}`)" for f in result.get("failed", ())]
+    failed = ["## Failed runs", "", *failed, ""] if failed else []
+    means = seed_means(result["runs"])
+    means = (["## Mean over seeds", "", markdown_table(means, columns), ""]
+             if len(means) < len(result["runs"]) else [])
+    text = "\n".join([*header_lines(result, title), markdown_table(result["runs"], columns),
+                      "", *means, *failed, *extra, ""])
+    path = Path(result["out"]) / "table.md"
+    path.write_text(text)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# plot
+
+Panel = Callable[[object, Sequence[Summary]], None]
+
+
+def bars(key: str, title: str, fmt=number) -> Panel:
+    """A panel: one bar per variant for ``key``, its value written on the bar."""
+    def draw(ax, runs):
+        labels = [str(s["label"]) for s in runs]
+        ys = [value(s, key) for s in runs]
+        xs = range(len(runs))
+        ax.bar(xs, [0 if math.isnan(y) else y for y in ys], color="#2a6f97")
+        for x, y in zip(xs, ys):
+            ax.annotate(fmt(y), (x, 0 if math.isnan(y) else y), ha="center", va="bottom",
+                        fontsize=8)
+        ax.set_xticks(list(xs), labels, rotation=20, ha="right", fontsize=8)
+        top = max([y for y in ys if math.isfinite(y)], default=0.0)
+        ax.set_ylim(min(0.0, *[y for y in ys if math.isfinite(y)]), (top or 1.0) * 1.15)
+        ax.set_title(title, fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    return draw
+
+
+def curves(metric: str, title: str, off: bool = True) -> Panel:
+    """A panel: ``metric`` per step, one line per variant's on run (dashed: the off runs)."""
+    def draw(ax, runs):
+        for s in runs:
+            series = s["series"]["on"]
+            ax.plot([value(r, "step") for r in series], [value(r, metric) for r in series], "o-",
+                    ms=3, label=str(s["label"]))
+        if off:
+            for i, (name, series) in enumerate(_distinct_offs(runs)):
+                ax.plot([value(r, "step") for r in series], [value(r, metric) for r in series],
+                        "--", color="grey", alpha=0.6 + 0.4 * (i == 0), label=name)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return draw
+
+
+def scatter(x: str, y: str, title: str, xlabel: str, ylabel: str, logx: bool = False) -> Panel:
+    """A panel: one labelled point per variant at (summary[x], summary[y])."""
+    def draw(ax, runs):
+        for s in runs:
+            px, py = value(s, x), value(s, y)
+            if math.isfinite(px) and math.isfinite(py):
+                ax.plot(px, py, "o", ms=7)
+                ax.annotate(str(s["label"]), (px, py), textcoords="offset points", xytext=(5, 5),
+                            fontsize=8)
+        if logx:
+            ax.set_xscale("log")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    return draw
+
+
+def _distinct_offs(runs: Sequence[Summary]) -> list[tuple[str, list]]:
+    seen: dict[str, tuple[str, list]] = {}
+    for s in runs:
+        seen.setdefault(s["run_off"], (f"off: {s['label']}", s["series"]["off"]))
+    if len(seen) == 1:
+        return [("plain synchronous (off)", next(iter(seen.values()))[1])]
+    return list(seen.values())
+
+
+def write_plot(result: Mapping, title: str, panels: Sequence[Panel], ncols: int = 3) -> Path:
+    """<out>/<study>/plot.png: the panels on a grid."""
+    nrows = math.ceil(len(panels) / ncols)
+    fig = Figure(figsize=(5 * ncols, 3.8 * nrows), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax, panel in zip(axes, panels):
+        panel(ax, result["runs"])
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle(f"{title} ({result['config']})", fontsize=13, fontweight="bold")
+    path = Path(result["out"]) / "plot.png"
+    fig.savefig(path)
+    return path
+
+
+STANDARD_PANELS = (
+    bars("accept_rate", "accept rate (accepted / drafted tokens)", percent),
+    bars("decode_steps_ratio", "decode steps on / off (steps >= 1)"),
+    bars("throughput_ratio_with_verify", "throughput on vs off, incl. verify"),
+    bars("policy_drift_kl_mean", "policy drift KL (mean per step)", scientific),
+    bars("token_mismatch", "token mismatch vs off run (tokens)", count),
+    curves("spec/accept_rate", "accept rate per step", off=False),
+)
+
+
+def finish(result: dict, title: str, columns: Sequence[Column] = DEFAULT_COLUMNS,
+           panels: Sequence[Panel] = STANDARD_PANELS, extra: Sequence[str] = ()) -> None:
+    """Write results.json, table.md and plot.png of a finished study and print the table."""
+    write_json(Path(result["out"]) / "results.json", result)
+    table = write_table(result, title, columns, extra)
+    plot = write_plot(result, title, panels)
+    print(markdown_table(result["runs"], columns))
+    print(f"{result['study']}: {Path(result['out']) / 'results.json'}, {table}, {plot}")
