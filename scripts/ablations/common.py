@@ -35,6 +35,7 @@ from matplotlib.ticker import MaxNLocator
 
 from megatron_bubblespec.config import ConfigError, load_config
 from megatron_bubblespec.loop.bench import _json_safe, compare, machine, token_mismatch
+from megatron_bubblespec.metrics import read_metrics
 from megatron_bubblespec.metrics.formatting import (MISSING, count, number, percent, scientific,
                                                      seconds, value)
 from megatron_bubblespec.metrics.reduce import mean_of, pooled_ratio
@@ -90,6 +91,9 @@ def parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=csv(int), default=None,
                    help="repeat every variant with each of these run.seed values (each seed with "
                         "its own off run); table.md then adds the mean over seeds")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the variants an interrupted run of the study finished (by label, "
+                        "from its results.json and run directories) and run the rest")
     p.add_argument("--render-only", action="store_true",
                    help="start no run: redraw table.md and plot.png from the study's results.json")
     p.add_argument("--dry-run", action="store_true",
@@ -271,11 +275,16 @@ def run_study(study: str, args, variants: Sequence[Variant]) -> dict:
               "runs": []}
     offs: dict[tuple[str, ...], dict] = {}
     broken: dict[tuple[str, ...], RunFailed] = {}  # off runs that failed: not tried twice
+    done = finished_runs(out / "results.json", offs) if args.resume else {}
     print(f"{study}: {len(variants)} variants, {len({tuple(v.off_overrides) for v in variants})} "
           f"off run(s), config {args.config}; logs under {runs_dir}", flush=True)
     result["failed"] = []
     for i, v in enumerate(variants):
         key = tuple(v.off_overrides)
+        if v.label in done:
+            print(f"  {v.label}: kept from the previous run of the study", flush=True)
+            result["runs"].append(done[v.label])
+            continue
         try:
             if key in broken:
                 raise broken[key]
@@ -299,6 +308,26 @@ def run_study(study: str, args, variants: Sequence[Variant]) -> dict:
     if not result["runs"]:
         raise SystemExit(f"{study}: every run failed; see the logs under {runs_dir}")
     return result
+
+
+def finished_runs(path: Path, offs: dict) -> dict[str, dict]:
+    """--resume: label -> summary of the variants ``path`` (a results.json) holds; their off runs
+    (records and rollouts read back from their run directories) go into ``offs``."""
+    if not path.is_file():
+        return {}
+    done = {s["label"]: s for s in json.loads(path.read_text())["runs"]}
+    for s in done.values():
+        key = tuple(s["off_overrides"])
+        if key not in offs:
+            run_dir = Path(s["run_off"])
+            with open(run_dir / "rollouts.jsonl") as f:
+                rollouts = [{int(g): t for g, t in json.loads(line)["responses"].items()}
+                            for line in f if line.strip()]
+            offs[key] = {"name": run_dir.name, "dir": str(run_dir),
+                         "records": read_metrics(run_dir), "rollouts": rollouts,
+                         "wall_s": s["wall_off_s"], "loadavg_before": s["loadavg_off"][0],
+                         "loadavg_after": s["loadavg_off"][1]}
+    return done
 
 
 class RunFailed(Exception):
@@ -388,9 +417,15 @@ def per_step_table(runs: Sequence[Summary], key: str, fmt=number, off: bool = Tr
     return "\n".join(lines)
 
 
+def _mean_series(serieses: Sequence[Sequence[Mapping]]) -> list[dict]:
+    """Step by step, the mean of every metric over several runs' step records (NaN skipped)."""
+    return [{key: mean_of([series[t] for series in serieses], key) for key in serieses[0][t]}
+            for t in range(min(len(series) for series in serieses))]
+
+
 def seed_means(runs: Sequence[Summary]) -> list[dict]:
     """One summary per variant group (a variant repeated over --seeds): the mean of every number
-    over its runs (NaN skipped), its overrides without run.seed."""
+    and of the per-step series over its runs (NaN skipped), its overrides without run.seed."""
     groups: dict[str, list[Summary]] = {}
     for s in runs:
         groups.setdefault(str(s.get("group", s["label"])), []).append(s)
@@ -401,6 +436,9 @@ def seed_means(runs: Sequence[Summary]) -> list[dict]:
         for key, x in members[0].items():
             if isinstance(x, (int, float)) and not isinstance(x, bool):
                 mean[key] = mean_of(members, key)
+        mean["series"] = {mode: _mean_series([m["series"][mode] for m in members])
+                          for mode in ("on", "off")}
+        mean["run_off"] = " ".join(sorted({m["run_off"] for m in members}))
         means.append(mean)
     return means
 
@@ -517,8 +555,13 @@ def write_plot(result: Mapping, title: str, panels: Sequence[Panel], ncols: int 
     fig = Figure(figsize=(5 * ncols, 3.8 * nrows), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    runs = seed_means(result["runs"])
+    if len(runs) < len(result["runs"]):
+        title = f"{title}, mean over seeds"
+    else:
+        runs = result["runs"]
     for ax, panel in zip(axes, panels):
-        panel(ax, result["runs"])
+        panel(ax, runs)
     for ax in axes[len(panels):]:
         ax.set_visible(False)
     fig.suptitle(f"{title} ({result['config']})", fontsize=13, fontweight="bold")
