@@ -178,12 +178,12 @@ def machine() -> dict:
     }
 
 
-def _json_safe(x):
+def json_safe(x):
     """NaN / infinities -> None, tensors and numpy scalars -> numbers, recursively."""
     if isinstance(x, Mapping):
-        return {str(k): _json_safe(v) for k, v in x.items()}
+        return {str(k): json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
+        return [json_safe(v) for v in x]
     if hasattr(x, "item") and not isinstance(x, (str, bytes)):
         x = x.item()
     if isinstance(x, float) and not math.isfinite(x):
@@ -272,7 +272,7 @@ def bench(config_path: str | Path, out_dir: str | Path, overrides: Sequence[str]
         "series": {"on": list(on), "off": list(off)},
     }
     out.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(_json_safe(result), indent=1, allow_nan=False)
+    text = json.dumps(json_safe(result), indent=1, allow_nan=False)
     (out / "bench.json").write_text(text + "\n")
     (out / "bench.md").write_text(markdown(result))
     plot_run(on, out / "bench.png", baseline=off)

@@ -12,7 +12,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from megatron_bubblespec.loop.bench import _json_safe
+from megatron_bubblespec.loop.bench import json_safe
 from megatron_bubblespec.metrics.formatting import number, percent
 
 # (label, key, formatter) of the calibration check, in row order.
@@ -171,7 +171,7 @@ def write(result: Mapping, out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "simulate.json", out / "simulate.md", out / "simulate.png"]
-    paths[0].write_text(json.dumps(_json_safe(result), indent=1, allow_nan=False) + "\n")
+    paths[0].write_text(json.dumps(json_safe(result), indent=1, allow_nan=False) + "\n")
     paths[1].write_text(markdown(result))
     plot(result, paths[2])
     return paths

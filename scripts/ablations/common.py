@@ -34,7 +34,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from megatron_bubblespec.config import ConfigError, load_config
-from megatron_bubblespec.loop.bench import _json_safe, compare, machine, token_mismatch
+from megatron_bubblespec.loop.bench import json_safe, compare, machine, token_mismatch
 from megatron_bubblespec.metrics import read_metrics
 from megatron_bubblespec.metrics.formatting import (MISSING, count, number, percent, scientific,
                                                      seconds, value)
@@ -352,7 +352,7 @@ def _attempt(config: str, overrides: Sequence[str], runs_dir: Path, name: str) -
 
 def write_json(path: Path, result: Mapping) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_json_safe(result), indent=1, allow_nan=False) + "\n")
+    path.write_text(json.dumps(json_safe(result), indent=1, allow_nan=False) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------
