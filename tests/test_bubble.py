@@ -9,7 +9,7 @@ from megatron_bubblespec.distributed import destroy_distributed, init_process_gr
 from megatron_bubblespec.distributed.launch import launch_local
 from megatron_bubblespec.distributed.world import default_store
 from megatron_bubblespec.models.architecture import make_tiny_checkpoint
-from megatron_bubblespec.rollout.base import RolloutRequest
+from megatron_bubblespec.sampling.requests import RolloutRequest
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams, sample_key
 from megatron_bubblespec.spec.bubble import BubbleDrafter

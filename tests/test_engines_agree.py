@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_bubblespec.models.architecture import make_tiny_checkpoint
-from megatron_bubblespec.rollout.base import RolloutRequest
+from megatron_bubblespec.sampling.requests import RolloutRequest
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams, perturbed_scores, sample_key
 

@@ -237,7 +237,7 @@ def _reference_worker(checkpoint, batch, probe, with_engine):
 
 
 def _engine_gap(checkpoint, weights, probe, mine):
-    from megatron_bubblespec.rollout.base import RolloutRequest
+    from megatron_bubblespec.sampling.requests import RolloutRequest
     from megatron_bubblespec.rollout.vllm_engine import VLLMEngine
     from megatron_bubblespec.sampling import SamplingParams
 

@@ -18,7 +18,7 @@ from megatron_bubblespec.models.architecture import (
     make_tiny_checkpoint,
     perturb_checkpoint,
 )
-from megatron_bubblespec.rollout.base import RolloutRequest
+from megatron_bubblespec.sampling.requests import RolloutRequest
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams, sample_key
 from megatron_bubblespec.spec.megatron_verifier import MegatronVerifier, sanitize_draft, settle_eos

@@ -9,7 +9,7 @@ from megatron_bubblespec.models.architecture import (
     make_tiny_checkpoint,
     perturb_checkpoint,
 )
-from megatron_bubblespec.rollout.base import RolloutRequest
+from megatron_bubblespec.sampling.requests import RolloutRequest
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams, keyed_sample, sample_key
 from megatron_bubblespec.spec.pool import DraftPool

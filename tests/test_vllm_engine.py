@@ -28,7 +28,7 @@ from megatron_bubblespec.models.architecture import (  # noqa: E402
     load_checkpoint,
     make_tiny_checkpoint,
 )
-from megatron_bubblespec.rollout.base import RolloutRequest  # noqa: E402
+from megatron_bubblespec.sampling.requests import RolloutRequest  # noqa: E402
 from megatron_bubblespec.rollout.vllm_engine import (  # noqa: E402
     VLLMEngine,
     _reload_weights_on_worker,

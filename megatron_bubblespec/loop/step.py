@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megatron_bubblespec.loop.replica import Replica
 from megatron_bubblespec.metrics import decode_steps_plain
-from megatron_bubblespec.rollout.base import RolloutRequest, RolloutResult
+from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
 from megatron_bubblespec.sampling import sample_key
 from megatron_bubblespec.spec.drafts import Draft, exchange, select_drafts
 from megatron_bubblespec.train.grpo import group_advantages
@@ -238,12 +238,13 @@ def run_step(rep: Replica, step: int) -> StepOutput:
         if cfg.spec.enabled and cfg.spec.speculative_continuation:
             requests = with_draft_pools(requests, sample_range, slots, pending)
         results, rollout_s = rollout(rep, requests)                                     # 2 rollout
+        engine_steps = rep.engine.last_engine_steps
         rep.beat(step, "bubble")
         bubble = bubble_and_exchange(rep, step)                                         # 3-4
-        shared = (results, rollout_s, bubble, rep.draft_queue)
+        shared = (results, rollout_s, engine_steps, bubble, rep.draft_queue)
     else:
         shared = None
-    results, rollout_s, bubble, rep.draft_queue = rep.share(shared)
+    results, rollout_s, engine_steps, bubble, rep.draft_queue = rep.share(shared)
     if cfg.spec.enabled and cfg.spec.draft_source == "previous_epoch":
         remember_responses(rep, step, results, rep.response_memory)
 
@@ -259,6 +260,9 @@ def run_step(rep: Replica, step: int) -> StepOutput:
         "rollout/time_s": rollout_s,
         "rollout/decode_steps": sum(r.decode_steps for r in results),
         "rollout/decode_steps_plain": decode_steps_plain(lengths),
+        "rollout/engine_steps": engine_steps,
+        "spec/continuation_proposed_tokens": sum(r.proposed_tokens for r in results),
+        "spec/continuation_accepted_tokens": sum(r.accepted_tokens for r in results),
         "rollout/tokens": sum(lengths),
         "rollout/max_response_len": max(lengths),
         "train/reward_mean": sum(x.total for x in rewards) / len(rewards),

@@ -18,53 +18,19 @@ at T = 1, before temperature and truncation), for every response token, prefix i
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
 
 from megatron_bubblespec.sampling import SamplingParams
-
-
-@dataclass
-class RolloutRequest:
-    """One sample to generate: prompt, its key, and an optional already-fixed response prefix."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    key: int                                    # sample key (signed int64), see sampling.sample_key
-    max_new_tokens: int                         # response budget, prefix included
-    response_prefix: list[int] = field(default_factory=list)
-    eos_token_ids: tuple[int, ...] = ()
-    draft_pool: list[list[int]] = field(default_factory=list)  # drafts of the same prompt (speculative continuation)
-
-    def __post_init__(self):
-        if not self.prompt_token_ids:
-            raise ValueError(f"request {self.request_id!r}: empty prompt")
-        if len(self.response_prefix) > self.max_new_tokens:
-            raise ValueError(f"request {self.request_id!r}: prefix of {len(self.response_prefix)} "
-                             f"tokens exceeds max_new_tokens={self.max_new_tokens}")
-
-
-@dataclass
-class RolloutResult:
-    request_id: str
-    token_ids: list[int]           # the whole response, prefix included
-    logprobs: list[float]          # one per response token
-    decode_steps: int              # forward passes after prefill that gave this request tokens
-    finish_reason: str             # "eos" | "length" | "aborted"
-    proposed_tokens: int = 0       # speculative continuation: tokens proposed from the draft pool
-    accepted_tokens: int = 0       # ... and accepted by the keyed rule
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason != "aborted"
+from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
 
 
 class RolloutEngine(abc.ABC):
     """Keyed generation with preemptible stepping and in-place weight updates."""
 
     weight_version: int = 0
+    last_engine_steps: int = 0   # engine steps (forward passes) of the last ``generate``
 
     @abc.abstractmethod
     def add(self, requests: Iterable[RolloutRequest], params: SamplingParams) -> None:
@@ -92,7 +58,9 @@ class RolloutEngine(abc.ABC):
         requests = list(requests)
         self.add(requests, params)
         done = {}
+        self.last_engine_steps = 0
         while self.has_unfinished():
+            self.last_engine_steps += 1
             for result in self.step():
                 done[result.request_id] = result
         return [done[r.request_id] for r in requests]

@@ -181,7 +181,7 @@ def _prompts(vocab_size: int, batch: int, prompt_len: int, seed: int, run: int) 
 def time_run(engine: RolloutEngine, prompts: list[list[int]], new_tokens: int,
              params: SamplingParams, *, seed: int, tag: str) -> dict[str, Any]:
     """One add + step loop to completion -> add time, every step's time, the results' accounting."""
-    from megatron_bubblespec.rollout.base import RolloutRequest
+    from megatron_bubblespec.sampling.requests import RolloutRequest
     from megatron_bubblespec.sampling import sample_key
 
     requests = [RolloutRequest(f"bench-{tag}-{i}", prompt, sample_key(seed, 0, tag, i),

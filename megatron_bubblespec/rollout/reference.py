@@ -17,7 +17,8 @@ from typing import Iterable
 import torch
 
 from megatron_bubblespec.models.architecture import load_checkpoint
-from megatron_bubblespec.rollout.base import RolloutEngine, RolloutRequest, RolloutResult
+from megatron_bubblespec.rollout.base import RolloutEngine
+from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
 from megatron_bubblespec.rollout.torch_llama import TorchLlama
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.spec.pool import DraftPool

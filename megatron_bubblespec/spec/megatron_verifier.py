@@ -33,7 +33,7 @@ from typing import Sequence
 
 import torch
 
-from megatron_bubblespec.rollout.base import RolloutRequest
+from megatron_bubblespec.sampling.requests import RolloutRequest
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.spec.verify import NO_TOKEN, Verification, verify_keyed
 from megatron_bubblespec.tokens import pad_token_rows

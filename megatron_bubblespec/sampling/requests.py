@@ -1,0 +1,46 @@
+"""A sample to generate and what came of it: the types shared by the rollout engines, the verifiers,
+the bubble drafter and the loop (below all of them, so none imports another to name a request).
+
+A request is one sample: prompt, the sample's key, its response budget, an optional response
+prefix already fixed by verification, its EOS ids, and the prompt's drafts for speculative
+continuation. A result is the whole response (prefix included) with one logprob per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RolloutRequest:
+    """One sample to generate: prompt, its key, and an optional already-fixed response prefix."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    key: int                                    # sample key (signed int64), see sampling.sample_key
+    max_new_tokens: int                         # response budget, prefix included
+    response_prefix: list[int] = field(default_factory=list)
+    eos_token_ids: tuple[int, ...] = ()
+    draft_pool: list[list[int]] = field(default_factory=list)  # drafts of the same prompt (speculative continuation)
+
+    def __post_init__(self):
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r}: empty prompt")
+        if len(self.response_prefix) > self.max_new_tokens:
+            raise ValueError(f"request {self.request_id!r}: prefix of {len(self.response_prefix)} "
+                             f"tokens exceeds max_new_tokens={self.max_new_tokens}")
+
+
+@dataclass
+class RolloutResult:
+    request_id: str
+    token_ids: list[int]           # the whole response, prefix included
+    logprobs: list[float]          # one per response token
+    decode_steps: int              # forward passes after prefill that gave this request tokens
+    finish_reason: str             # "eos" | "length" | "aborted"
+    proposed_tokens: int = 0       # speculative continuation: tokens proposed from the draft pool
+    accepted_tokens: int = 0       # ... and accepted by the keyed rule
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason != "aborted"
