@@ -21,8 +21,9 @@ from megatron_bubblespec.models.architecture import (
 from megatron_bubblespec.sampling.requests import RolloutRequest
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams, sample_key
-from megatron_bubblespec.spec.megatron_verifier import MegatronVerifier, sanitize_draft, settle_eos
-from megatron_bubblespec.spec.verify import NO_TOKEN
+from megatron_bubblespec.spec.megatron_verifier import MegatronVerifier
+from megatron_bubblespec.spec.validate import verifiable_draft
+from megatron_bubblespec.spec.verify import NO_TOKEN, verify_keyed
 from megatron_bubblespec.train.model import build_gpt_model
 from megatron_bubblespec.train.sharding import load_hf_weights
 
@@ -212,24 +213,29 @@ def test_malformed_drafts_warn_and_are_cut_or_dropped(target, megatron_runs, tp,
         assert set(named) == bad and len(out["warnings"]) == len(bad), out["warnings"]
 
 
-def test_sanitize_draft_never_changes_a_token():
-    request = RolloutRequest("r", [1, 2, 3], 0, max_new_tokens=5, response_prefix=[9])
+def test_verifiable_draft_never_changes_a_token():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert sanitize_draft(request, [0, VOCAB - 1, 4], VOCAB) == [0, VOCAB - 1, 4]
-        assert sanitize_draft(request, [], VOCAB) == []
+        assert verifiable_draft([0, VOCAB - 1, 4], VOCAB, 4, "request 'r'") == [0, VOCAB - 1, 4]
+        assert verifiable_draft([], VOCAB, 4, "request 'r'") == []
     with pytest.warns(RuntimeWarning, match="'r'.*truncated to 4"):
-        assert sanitize_draft(request, [1, 2, 3, 4, 5, 6], VOCAB) == [1, 2, 3, 4]
+        assert verifiable_draft([1, 2, 3, 4, 5, 6], VOCAB, 4, "request 'r'") == [1, 2, 3, 4]
     with pytest.warns(RuntimeWarning, match="'r'.*dropped"):
-        assert sanitize_draft(request, [1, VOCAB, 3], VOCAB) == []
+        assert verifiable_draft([1, VOCAB, 3], VOCAB, 4, "request 'r'") is None
     with pytest.warns(RuntimeWarning, match="'r'.*dropped"):
-        assert sanitize_draft(request, [1, True], VOCAB) == []
+        assert verifiable_draft([1, True], VOCAB, 4, "request 'r'") is None
 
 
-def test_settle_eos_uses_each_requests_own_eos():
-    drafts = [[5, 2, 7], [5, 2, 7], [5, 6], [5, 6]]
-    eos = [frozenset({2}), frozenset({3}), frozenset({6}), frozenset({4})]
-    accepted, next_token, finished = settle_eos([3, 3, 1, 1], [8, 8, 4, 4], drafts, eos)
-    assert accepted == [2, 3, 1, 1]
-    assert next_token == [NO_TOKEN, 8, 4, 4]
-    assert finished == [True, False, False, True]
+def test_eos_is_settled_with_each_requests_own_eos():
+    """Greedy on one-hot logits: the target draws 5, 2, 7, 8 at every row, drafts match it."""
+    logits = torch.full((4, 4, VOCAB), -10.0)
+    for j, token in enumerate([5, 2, 7, 8]):
+        logits[:, j, token] = 10.0
+    draft = torch.tensor([[5, 2, 7]] * 4)
+    lens = torch.tensor([3, 3, 1, 0])
+    eos = [(2,), (3,), (2, 7), (5,)]
+    result = verify_keyed(logits, draft, lens, torch.zeros(4, dtype=torch.int64),
+                          torch.zeros(4, dtype=torch.int64), PARAMS["greedy"], eos)
+    assert result.accepted.tolist() == [2, 3, 1, 0]
+    assert result.next_token.tolist() == [NO_TOKEN, 8, 2, 5]
+    assert result.finished.tolist() == [True, False, True, True]

@@ -20,6 +20,7 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 from scipy.stats import binomtest, chisquare
 
+from megatron_bubblespec.sampling.requests import settle_eos
 from megatron_bubblespec.sampling import SamplingParams, keyed_sample, sample_key
 from megatron_bubblespec.spec import (
     EXACT_RULES,
@@ -564,3 +565,10 @@ def test_ratio_rules_accept_any_padding_value_and_skip_vocab_padding(rule):
                SamplingParams(1.0), vocab_size=6)
     assert int(out.accepted[1]) == 0 and 0 <= int(out.next_token[1]) < 6
     assert int(out.next_token[0]) < 6
+
+
+def test_settle_eos_keeps_up_to_the_first_eos():
+    assert settle_eos([4, 2, 7, 2], {2}) == (2, True)
+    assert settle_eos([4, 2, 7], {3}) == (3, False)
+    assert settle_eos([], {2}) == (0, False)
+    assert settle_eos([9], {9, 1}) == (1, True)

@@ -4,11 +4,25 @@ the bubble drafter and the loop (below all of them, so none imports another to n
 A request is one sample: prompt, the sample's key, its response budget, an optional response
 prefix already fixed by verification, its EOS ids, and the prompt's drafts for speculative
 continuation. A result is the whole response (prefix included) with one logprob per token.
+``settle_eos`` is the one rule, used by every engine and verifier, for where a response ends.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Collection, Sequence
+
+
+def settle_eos(tokens: Sequence[int], eos_token_ids: Collection[int]) -> tuple[int, bool]:
+    """Where a response ends: (how many of ``tokens`` it keeps, whether an EOS ended it).
+
+    The first token in ``eos_token_ids`` (the request's own EOS ids) ends the response: it is kept,
+    everything after it is dropped. Without one, every token is kept and the response is open.
+    """
+    for index, token in enumerate(tokens):
+        if token in eos_token_ids:
+            return index + 1, True
+    return len(tokens), False
 
 
 @dataclass

@@ -2,10 +2,10 @@
 
 Step 1 of the synchronous step ("verify"), run on the training ranks that already hold θ_t:
 
-1. every draft is checked (``sanitize_draft``): token ids outside [0, vocab_size) drop the whole
-   draft, a draft longer than the response budget left (``max_new_tokens - len(response_prefix)``)
-   is cut to it; both with a warning naming the request, never an exception and never a changed
-   token (a dropped draft is an empty one: the result is one plain keyed draw);
+1. every draft is checked (``spec.validate.verifiable_draft``): token ids outside [0, vocab_size)
+   drop the whole draft, a draft longer than the response budget left (``max_new_tokens -
+   len(response_prefix)``) is cut to it; both with a warning naming the request, never an
+   exception and never a changed token (a dropped draft is an empty one: one plain keyed draw);
 2. ``prompt + response_prefix + draft`` of every request goes into one right-padded batch and
    through ONE forward-only pipeline pass (``train.forward.megatron_forward``);
 3. on the last pipeline stage, per micro-batch, the L+1 logits rows starting at the last prefix
@@ -14,8 +14,8 @@ Step 1 of the synchronous step ("verify"), run on the training ranks that alread
    ``[tp_rank * V_local, (tp_rank + 1) * V_local)``, Megatron's vocabulary padding (ids >=
    ``spec.vocab_size``) is excluded, and the draw is settled by an all-reduce MAX then MIN over
    the TP group (NCCL on GPU, gloo on CPU);
-4. EOS is settled per request (each request's own ``eos_token_ids``), and (accepted, next_token,
-   finished) are broadcast from the last pipeline stage to every stage, so all ranks of the model
+4. EOS is settled per request (each request's own ``eos_token_ids``, inside ``verify_keyed``), and
+   (accepted, next_token, finished) are broadcast from the last pipeline stage to every stage, so all ranks of the model
    replica return the same ``Verification``.
 
 All ranks of one model replica (its TP x PP ranks) must call ``verify`` with the same requests,
@@ -26,67 +26,25 @@ up to floating-point differences between the two forwards.
 
 from __future__ import annotations
 
-import operator
 import time
-import warnings
 from typing import Sequence
 
 import torch
 
 from megatron_bubblespec.sampling.requests import RolloutRequest
 from megatron_bubblespec.sampling import SamplingParams
-from megatron_bubblespec.spec.verify import NO_TOKEN, Verification, verify_keyed
+from megatron_bubblespec.spec.validate import verifiable_draft
+from megatron_bubblespec.spec.verify import Verification, verify_keyed
 from megatron_bubblespec.tokens import pad_token_rows
 from megatron_bubblespec.train.forward import megatron_forward
 
 PAD_ID = 0
 
 
-def sanitize_draft(request: RolloutRequest, draft: Sequence[int], vocab_size: int) -> list[int]:
-    """The draft as verifiable token ids: dropped (-> []) if any id is not an integer in
-    [0, ``vocab_size``), cut to the budget left if longer; each case warns naming the request."""
-    tokens = []
-    for position, token in enumerate(draft):
-        try:
-            value = operator.index(token)
-        except TypeError:
-            value = None
-        if value is None or isinstance(token, bool) or not 0 <= value < vocab_size:
-            warnings.warn(f"request {request.request_id!r}: draft token {token!r} at draft position "
-                          f"{position} is not a token id in [0, {vocab_size}); the draft is dropped "
-                          "(verified as an empty draft)", RuntimeWarning, stacklevel=2)
-            return []
-        tokens.append(value)
-    budget = max(0, request.max_new_tokens - len(request.response_prefix))
-    if len(tokens) > budget:
-        warnings.warn(f"request {request.request_id!r}: draft of {len(tokens)} tokens exceeds the "
-                      f"response budget left ({request.max_new_tokens} - "
-                      f"{len(request.response_prefix)} prefix tokens = {budget}); truncated to "
-                      f"{budget} tokens", RuntimeWarning, stacklevel=2)
-        tokens = tokens[:budget]
-    return tokens
-
-
-def settle_eos(accepted: list[int], next_token: list[int], drafts: list[list[int]],
-               eos_sets: list[frozenset[int]]) -> tuple[list[int], list[int], list[bool]]:
-    """Per-request EOS settlement of an EOS-free keyed verification.
-
-    An EOS among the accepted draft tokens ends the response there (accepted = its index + 1, no
-    next token); otherwise the response ends when the next token is an EOS. This is what
-    ``verify_keyed`` does with one EOS set for the whole batch, done with each request's own set.
-    """
-    out_accepted, out_next, finished = [], [], []
-    for n, nxt, draft, eos in zip(accepted, next_token, drafts, eos_sets):
-        first = next((j for j, token in enumerate(draft[:n]) if token in eos), None)
-        if first is not None:
-            out_accepted.append(first + 1)
-            out_next.append(NO_TOKEN)
-            finished.append(True)
-        else:
-            out_accepted.append(n)
-            out_next.append(nxt)
-            finished.append(nxt in eos)
-    return out_accepted, out_next, finished
+def _checked_draft(request: RolloutRequest, draft: Sequence[int], vocab_size: int) -> list[int]:
+    """The draft cut to the request's budget left; an empty one if it holds a non-token id."""
+    budget = request.max_new_tokens - len(request.response_prefix)
+    return verifiable_draft(draft, vocab_size, budget, f"request {request.request_id!r}") or []
 
 
 class MegatronVerifier:
@@ -130,7 +88,7 @@ class MegatronVerifier:
         if n == 0:
             empty = torch.zeros(0, dtype=torch.int64)
             return Verification(empty, empty.clone(), torch.zeros(0, dtype=torch.bool))
-        drafts = [sanitize_draft(r, d, self.spec.vocab_size) for r, d in zip(requests, drafts)]
+        drafts = [_checked_draft(r, d, self.spec.vocab_size) for r, d in zip(requests, drafts)]
         rows = [list(r.prompt_token_ids) + list(r.response_prefix) + d
                 for r, d in zip(requests, drafts)]
         mbs = min(micro_batch_size or n, n)
@@ -157,19 +115,16 @@ class MegatronVerifier:
                 target, draft, torch.tensor([len(drafts[i]) for i in real], device=device),
                 torch.tensor([keys[i] for i in real], dtype=torch.int64, device=device),
                 torch.tensor([prefix_lens[i] for i in real], device=device), params,
-                eos_token_ids=(), vocab_offset=tp_rank * local_vocab,
+                [requests[i].eos_token_ids for i in real], vocab_offset=tp_rank * local_vocab,
                 vocab_size=self.spec.vocab_size, group=tp_group)
-            return result.accepted.tolist(), result.next_token.tolist()
+            return result.accepted.tolist(), result.next_token.tolist(), result.finished.tolist()
 
         per_mb = megatron_forward(self.model, tokens, on_logits, micro_batch_size=mbs)
         device = next(self.model.parameters()).device
         packed = torch.zeros(3, n, dtype=torch.int64, device=device)
         if per_mb is not None:   # last pipeline stage
-            accepted = [a for mb_accepted, _ in per_mb for a in mb_accepted]
-            next_token = [t for _, mb_next in per_mb for t in mb_next]
-            eos_sets = [frozenset(r.eos_token_ids) for r in requests]
-            accepted, next_token, finished = settle_eos(accepted, next_token, drafts, eos_sets)
-            packed.copy_(torch.tensor([accepted, next_token, finished], dtype=torch.int64))
+            columns = [sum((list(mb[k]) for mb in per_mb), []) for k in range(3)]
+            packed.copy_(torch.tensor(columns, dtype=torch.int64))
         if ps.get_pipeline_model_parallel_world_size() > 1:
             torch.distributed.broadcast(packed, src=ps.get_pipeline_model_parallel_last_rank(),
                                         group=ps.get_pipeline_model_parallel_group())

@@ -1,8 +1,9 @@
 """Draft verification: (target logits over prompt+draft, draft tokens) -> accepted prefix + next token.
 
-Three rules share one settlement step (``_settle``): find the accepted prefix, stop at an accepted
-EOS, and emit the target's own token after it (the correction at a rejection, the bonus token when
-the whole draft is accepted).
+Three rules share one settlement step (``_settle``): find the accepted prefix, emit the target's own
+token after it (the correction at a rejection, the bonus token when the whole draft is accepted),
+and end each sample's response at its first EOS (``sampling.requests.settle_eos``).
+``eos_token_ids`` is one set of ids for every sample or one set per sample.
 
 * ``verify_keyed`` (the default, exact for any proposal): accept while the target's keyed draw
   equals the draft token. The draw is the same Gumbel-max draw plain decoding would make at that
@@ -23,7 +24,7 @@ padding may hold any value. ``vocab_size`` excludes Megatron's vocabulary paddin
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Collection, Iterable
 
 import torch
 
@@ -36,6 +37,7 @@ from megatron_bubblespec.sampling.keyed import (
     truncation_mask,
     uniform_at,
 )
+from megatron_bubblespec.sampling.requests import settle_eos
 
 NO_TOKEN = -1
 
@@ -79,29 +81,40 @@ def _positions(start_positions: torch.Tensor, width: int) -> torch.Tensor:
     return start_positions.reshape(-1, 1) + torch.arange(width, device=start_positions.device)
 
 
+def _eos_rows(eos_token_ids, rows: int) -> list[frozenset[int]]:
+    """One EOS set per row from either one set of ids shared by every row or one set per row."""
+    given = list(eos_token_ids)
+    if given and all(isinstance(ids, Collection) for ids in given):
+        if len(given) != rows:
+            raise ValueError(f"{len(given)} EOS sets for {rows} samples; pass one set per sample "
+                             "or one set of token ids for all")
+        return [frozenset(int(t) for t in ids) for ids in given]
+    return [frozenset(int(t) for t in given)] * rows
+
+
 def _settle(accept: torch.Tensor, replacement: torch.Tensor, draft: torch.Tensor,
-            draft_lens: torch.Tensor, eos_token_ids: Iterable[int]) -> Verification:
+            draft_lens: torch.Tensor, eos_token_ids) -> Verification:
     """accept [B, L] (draft token j kept if reached), replacement [B, L+1] (token emitted when the
-    first rejection is at j, or the bonus at j = len) -> Verification."""
+    first rejection is at j, or the bonus at j = len) -> Verification, each sample's response ended
+    at its own first EOS (``sampling.requests.settle_eos``)."""
     b, width = draft.shape
     j = torch.arange(width, device=draft.device).expand(b, width)
     valid = j < draft_lens.reshape(-1, 1)
-    kept = torch.cumprod((accept & valid).to(torch.int64), dim=-1)
-    accepted = kept.sum(-1)
-    eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.int64, device=draft.device)
-    accepted_eos = torch.isin(draft, eos) & kept.bool()
-    has_eos = accepted_eos.any(-1)
-    first_eos = torch.where(accepted_eos, j, width).min(-1).values if width else accepted
-    accepted = torch.where(has_eos, first_eos + 1, accepted)
-    emitted = replacement.gather(-1, accepted.clamp(max=width).reshape(-1, 1)).squeeze(-1)
-    next_token = torch.where(has_eos, torch.full_like(emitted, NO_TOKEN), emitted)
-    finished = has_eos | torch.isin(next_token, eos)
-    return Verification(accepted=accepted, next_token=next_token, finished=finished)
+    accepted = torch.cumprod((accept & valid).to(torch.int64), dim=-1).sum(-1)
+    emitted = replacement.gather(-1, accepted.reshape(-1, 1)).squeeze(-1)
+    settled = []
+    for row, n, token, eos in zip(draft.tolist(), accepted.tolist(), emitted.tolist(),
+                                  _eos_rows(eos_token_ids, b)):
+        kept, ended = settle_eos(row[:n] + [token], eos)
+        settled.append((min(kept, n), token if kept > n else NO_TOKEN, ended))
+    columns = torch.tensor(settled, dtype=torch.int64, device=draft.device).reshape(b, 3)
+    return Verification(accepted=columns[:, 0].clone(), next_token=columns[:, 1].clone(),
+                        finished=columns[:, 2].bool())
 
 
 def verify_keyed(target_logits: torch.Tensor, draft: torch.Tensor, draft_lens: torch.Tensor,
                  keys: torch.Tensor, start_positions: torch.Tensor, params: SamplingParams,
-                 eos_token_ids: Iterable[int] = (), *, vocab_offset: int = 0,
+                 eos_token_ids: Iterable = (), *, vocab_offset: int = 0,
                  vocab_size: int | None = None, group=None) -> Verification:
     """Exact verification by shared keyed noise; ``group`` = TP group when the vocab is sharded."""
     _check_shapes(target_logits, draft, draft_lens)
@@ -158,7 +171,7 @@ def _ratio_test(target_logits, draft_probs, draft, draft_lens, keys, start_posit
 
 
 def verify_residual(target_logits, draft_probs, draft, draft_lens, keys, start_positions,
-                    params: SamplingParams, eos_token_ids: Iterable[int] = (),
+                    params: SamplingParams, eos_token_ids: Iterable = (),
                     vocab_size: int | None = None) -> Verification:
     """Exact standard speculative sampling (needs q = ``draft_probs`` [B, L, V]); ablation only."""
     p, q, ratio, u, bonus = _ratio_test(target_logits, draft_probs, draft, draft_lens, keys,
@@ -177,7 +190,7 @@ def verify_residual(target_logits, draft_probs, draft, draft_lens, keys, start_p
 
 
 def verify_lenient(target_logits, draft_probs, draft, draft_lens, keys, start_positions,
-                   params: SamplingParams, eos_token_ids: Iterable[int] = (),
+                   params: SamplingParams, eos_token_ids: Iterable = (),
                    lenience: float = 1.0, vocab_size: int | None = None) -> Verification:
     """SPEC-RL's lenient rule (INEXACT for lenience > 1, and never exact: it redraws from p rather
     than from the residual); ablation only."""
