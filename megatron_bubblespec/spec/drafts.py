@@ -5,6 +5,19 @@ version that made it, and its tokens. Packing is a flat int64 tensor
 ``[count, (index, key, version, length, tokens...) * count]``; unpacking validates every field and
 drops (with a warning) whatever does not parse, so a corrupted draft can cost acceptance but never
 crash a step or change a token (drafts are only ever proposals to the exact verifier).
+
+Transport (``exchange_route``): drafts are made and consumed on the CPU, so the all-gather runs on
+CPU tensors whenever the group's backend takes them (gloo, or a ``cpu:gloo,cuda:nccl`` group). NCCL
+takes no CPU tensors: there the exchange uses megatron-core's gloo twin of the data-parallel group
+(``parallel_state.get_data_parallel_group_gloo()``, built by ``initialize_model_parallel`` unless
+``create_gloo_process_groups=False``), and only when no twin with the same ranks exists, device
+tensors on the NCCL group itself. Why the twin first, for the long-context configs' sizes: a step
+gathers at most 256 samples x (32256 or 65536 draft tokens + 4) x 8 B = 66 or 134 MB (a few MB in
+practice: GSM8K responses are short and the bubble ends drafting early). Over TCP at 1-3 GB/s that
+is 22-134 ms at worst; NCCL moves it in a few ms but needs a host-to-device copy, the gathered
+tensor in GPU memory that vLLM and training share, a stream sync and a device-to-host copy back;
+and unpacking 8-17 M Python ints takes longer (~1 s) than either transport. Both are far below
+one long-context step (tens of minutes), so the path that takes nothing from the GPU wins.
 """
 
 from __future__ import annotations
@@ -56,21 +69,69 @@ def unpack(packed: torch.Tensor, source: str = "packed drafts") -> list[Draft]:
     return out
 
 
+@dataclass(frozen=True)
+class Route:
+    """Where an exchange runs: the process group of its all-gathers and the tensors' device."""
+    group: object
+    device: torch.device
+    why: str
+
+
+def _takes_cpu_tensors(backend: str) -> bool:
+    """Whether a backend name (``gloo``, ``nccl``, ``cpu:gloo,cuda:nccl``...) has a CPU backend."""
+    if ":" in backend:
+        return any(part.split(":")[0] == "cpu" for part in backend.split(","))
+    return backend in ("gloo", "mpi")
+
+
+def choose_route(backend: str, group, gloo_twin) -> Route:
+    """The exchange's route for a group with ``backend`` and its gloo twin (None if absent)."""
+    if _takes_cpu_tensors(backend):
+        return Route(group, torch.device("cpu"), f"{backend} takes CPU tensors")
+    if gloo_twin is not None:
+        return Route(gloo_twin, torch.device("cpu"), f"{backend} has no CPU tensors: gloo twin")
+    return Route(group, torch.device("cuda"),
+                 f"{backend} has no CPU tensors and the group has no gloo twin: device tensors")
+
+
+def data_parallel_gloo_twin(group):
+    """megatron-core's gloo data-parallel group when it has exactly ``group``'s ranks, else None."""
+    try:
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            return None
+        twin = ps.get_data_parallel_group_gloo()
+    except (ImportError, AssertionError):  # no megatron, or built without gloo groups
+        return None
+    if twin is None:
+        return None
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    return twin if dist.get_process_group_ranks(twin) == ranks else None
+
+
+def exchange_route(group=None) -> Route:
+    return choose_route(dist.get_backend(group), group, data_parallel_gloo_twin(group))
+
+
 def exchange(drafts: list[Draft], group=None) -> list[Draft]:
     """All-gather every rank's drafts over the (data-parallel) group; all drafts, rank order."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return list(drafts)
-    mine = pack(drafts)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, torch.tensor([mine.numel()]), group=group)
-    width = int(max(s.item() for s in sizes))
-    padded = torch.zeros(width, dtype=torch.int64)
+    route = exchange_route(group)
+    group, device = route.group, route.device
+    mine = pack(drafts).to(device)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([mine.numel()], device=device), group=group)
+    counts = [int(s.item()) for s in sizes]
+    padded = torch.zeros(max(counts), dtype=torch.int64, device=device)
     padded[:mine.numel()] = mine
-    gathered = [torch.empty(width, dtype=torch.int64) for _ in sizes]
+    gathered = [torch.empty_like(padded) for _ in counts]
     dist.all_gather(gathered, padded, group=group)
     out = []
-    for rank, (tensor, size) in enumerate(zip(gathered, sizes)):
-        out += unpack(tensor[:int(size.item())], source=f"drafts from DP rank {rank}")
+    for rank, (tensor, count) in enumerate(zip(gathered, counts)):
+        out += unpack(tensor[:count].cpu(), source=f"drafts from DP rank {rank}")
     return out
 
 
