@@ -37,10 +37,14 @@ def cmd_train(args) -> int:
     Exit codes: 0 done, 1 a rank failed, 2 bad config or inputs, 75 preempted (checkpoint
     written; resume with run.resume=auto)."""
     from megatron_bubblespec.config import ConfigError, load_config
-    from megatron_bubblespec.config.preflight import preflight
+    from megatron_bubblespec.distributed.world import detect_world
+    from megatron_bubblespec.preflight import check_world, preflight
 
     try:
         cfg = load_config(args.config, args.overrides)
+        world = detect_world()
+        if world.launcher != "single":      # torchrun / srun started the ranks: is it our layout?
+            check_world(world.world_size, cfg, world.launcher)
         preflight(cfg)
     except ConfigError as err:
         print(f"bubblespec train: config error: {err}", file=sys.stderr)

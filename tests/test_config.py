@@ -52,3 +52,33 @@ def test_shipped_configs_load(name):
     if not path.exists():
         pytest.fail(f"configs/{name} is missing")
     load_config(path)
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["rollout.tensor_parallel=2"], r"rollout.tensor_parallel=2 is not allowed; choose one of \[1\]"),
+    (["parallel.world_size=4", "parallel.tensor=2", "rollout.tensor_parallel=3"],
+     r"rollout.tensor_parallel=3 is not allowed; choose one of \[1, 2\]"),
+    (["parallel.world_size=4", "parallel.tensor=2", "rollout.tensor_parallel=2",
+      "rollout.engine=reference"], "rollout.tensor_parallel=2 needs rollout.engine=vllm"),
+])
+def test_rollout_tensor_parallel_is_one_or_the_training_tp(overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(None, overrides)
+
+
+def test_rollout_tensor_parallel_may_span_the_training_tp():
+    cfg = load_config(None, ["parallel.world_size=4", "parallel.tensor=2",
+                             "rollout.tensor_parallel=2"])
+    assert cfg.rollout.tensor_parallel == cfg.parallel.tensor == 2
+
+
+def test_context_parallelism_needs_a_gpu():
+    import torch
+
+    overrides = ["parallel.world_size=4", "parallel.context=2"]
+    if torch.cuda.is_available():
+        assert load_config(None, overrides).parallel.context == 2
+    else:
+        with pytest.raises(ConfigError, match="parallel.context=2 needs a GPU with Transformer "
+                                              "Engine"):
+            load_config(None, overrides)

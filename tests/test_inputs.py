@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from megatron_bubblespec.config import ConfigError, load_config
-from megatron_bubblespec.config.preflight import PreflightError, preflight
+from megatron_bubblespec.preflight import PreflightError, preflight
 from megatron_bubblespec.data.gsm8k import load_gsm8k
 from megatron_bubblespec.data.jsonl import DatasetError, JsonlRecord, load_jsonl
 from megatron_bubblespec.data.tasks import JsonlTask, Task, task_from_config
@@ -341,18 +341,63 @@ def test_preflight_context_longer_than_the_model():
 
 # ----------------------------------------------------------------------------- command line
 
-def test_cli_train_stops_at_the_first_bad_row(tmp_path):
-    path = _write(tmp_path / "bad.jsonl", [GOOD, GOOD, "{not json", GOOD, GOOD])
+def _train_cli(tmp_path, *overrides, env=None) -> tuple[int, str, float]:
+    """``bubblespec train --config configs/tiny.yaml OVERRIDES`` -> (exit code, stderr, seconds);
+    fails the test if it does not stop within two minutes."""
+    import time
+
     command = [sys.executable, "-m", "megatron_bubblespec.cli", "train", "--config", str(TINY),
-               "data.task=jsonl", f"data.path={path}", f"run.output_dir={tmp_path / 'runs'}",
-               "logging.progress=false"]
+               f"run.output_dir={tmp_path / 'runs'}", "logging.progress=false", *overrides]
+    start = time.perf_counter()
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, start_new_session=True)
+                               text=True, start_new_session=True, env={**os.environ, **(env or {})})
     try:
         _, stderr = process.communicate(timeout=120)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         process.communicate()
-        pytest.fail("bubblespec train did not stop before training on a dataset with a bad row")
-    assert process.returncode == 2, stderr[-2000:]
+        pytest.fail(f"bubblespec train {' '.join(overrides)} did not stop before training")
+    return process.returncode, stderr, time.perf_counter() - start
+
+
+def test_cli_train_stops_at_the_first_bad_row(tmp_path):
+    path = _write(tmp_path / "bad.jsonl", [GOOD, GOOD, "{not json", GOOD, GOOD])
+    code, stderr, _ = _train_cli(tmp_path, "data.task=jsonl", f"data.path={path}")
+    assert code == 2, stderr[-2000:]
     assert "bad.jsonl, row 3: invalid JSON" in stderr
+
+
+def test_cli_train_refuses_a_pipeline_that_does_not_divide_the_layers(tmp_path):
+    code, stderr, seconds = _train_cli(tmp_path, "model.tiny_layers=3", "parallel.world_size=2",
+                                       "parallel.pipeline=2", "parallel.data=1")
+    assert code == 2, stderr[-2000:]
+    assert "parallel.pipeline=2 does not divide the 3 layers of the tiny model" in stderr
+    assert "one of [1, 3]" in stderr and "model.tiny_layers" in stderr
+    assert "Traceback" not in stderr and seconds < 60
+
+
+def test_cli_train_checks_the_launchers_world(tmp_path):
+    """Inside torchrun (RANK / WORLD_SIZE set), a world other than parallel.world_size is refused
+    before any process group starts, with the keys to set (or why no setting fits)."""
+    code, stderr, _ = _train_cli(tmp_path, env={"RANK": "0", "WORLD_SIZE": "4"})
+    assert code == 2, stderr[-2000:]
+    assert ("torchrun started 4 processes but the config has parallel.world_size=2 "
+            "(parallel.data=2); set parallel.world_size=4 parallel.data=4") in stderr
+    code, stderr, _ = _train_cli(tmp_path, "parallel.tensor=2", "parallel.data=1",
+                                 env={"RANK": "0", "WORLD_SIZE": "3"})
+    assert code == 2 and "torchrun started 3 processes, not a multiple of" in stderr, stderr
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (("parallel.world_size=8", "parallel.tensor=8", "parallel.data=1"),
+     r"parallel.tensor=8 does not divide the 4 attention heads .* one of \[1, 2\]"),
+    (("parallel.world_size=4", "parallel.tensor=4", "parallel.data=1"),
+     r"parallel.tensor=4 does not divide the 2 KV heads"),
+    (("parallel.world_size=2", "parallel.pipeline=2", "parallel.data=1"), None),
+])
+def test_preflight_checks_the_parallel_layout(overrides, fragment):
+    if fragment is None:
+        assert preflight(_cfg(*overrides)).vocab_size == 256
+    else:
+        with pytest.raises(PreflightError, match=fragment):
+            preflight(_cfg(*overrides))

