@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -34,6 +33,7 @@ from megatron_bubblespec.loop.step import gather_step, run_step
 from megatron_bubblespec.metrics import (MetricsWriter, RunProgress, aggregate_step, plot_run,
                                          print_summary, read_metrics)
 from megatron_bubblespec.train.checkpoint import check_checkpointable
+from megatron_bubblespec.train.export import export_final
 
 
 def run_dir(cfg: Config) -> Path:
@@ -79,29 +79,6 @@ def _preempted(flag: PreemptionFlag) -> bool:
     raised = torch.tensor([int(flag.raised)], device=device)
     dist.all_reduce(raised, op=dist.ReduceOp.MAX)
     return bool(raised.item())
-
-
-def export_final(replica, directory: Path) -> dict | None:
-    """The trained policy as an HF checkpoint directory (collective; rank 0 writes and returns
-    the tensors): model.safetensors + the initial model's config and tokenizer files."""
-    import torch.distributed as dist
-    from safetensors.torch import save_file
-
-    tensors = {name: t.detach().clone().contiguous()
-               for name, t in replica.resharder.named_tensors()}
-    if dist.get_rank() != 0:
-        return None
-    staging = directory.with_name(directory.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
-    for source in replica.model_path.iterdir():
-        if source.is_file() and (source.suffix in (".json", ".txt", ".model", ".tiktoken")
-                                 and not source.name.endswith(".index.json")):
-            shutil.copy2(source, staging / source.name)
-    shutil.rmtree(directory, ignore_errors=True)
-    os.replace(staging, directory)
-    return tensors
 
 
 def train_rank(cfg: Config, return_weights: bool = False) -> dict | None:
