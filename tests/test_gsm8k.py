@@ -4,15 +4,8 @@ import json
 
 import pytest
 
-from megatron_bubblespec.data.gsm8k import (
-    GSM8KRecord,
-    answers_match,
-    extract_answer,
-    gsm8k_path,
-    is_correct,
-    load_gsm8k,
-    normalize_number,
-)
+from megatron_bubblespec.data.answers import answers_match, extract_answer, normalize_number
+from megatron_bubblespec.data.gsm8k import GSM8KRecord, gsm8k_path, is_correct, load_gsm8k
 
 
 @pytest.fixture(scope="module")

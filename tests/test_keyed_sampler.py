@@ -38,6 +38,21 @@ GOLDEN_KEYS = [
     ((2**64 - 1, 2**40, "x", 0), 3575052310533091246),
 ]
 
+# Token ids drawn from fixed logits (exact in float32, with ties), keys and positions: pins the whole
+# path uniform -> Gumbel -> temperature / top-k / top-p -> argmax, not only the noise bits.
+GOLDEN_VOCAB, GOLDEN_ROWS, GOLDEN_POSITIONS = 50, 6, (0, 1, 7, 1000)
+GOLDEN_DRAWS = {   # params -> one row of draws per position in GOLDEN_POSITIONS
+    SamplingParams(0.0): [[18, 13, 8, 3, 27, 22]] * 4,
+    SamplingParams(1.0): [[35, 38, 8, 31, 27, 43], [14, 31, 8, 49, 45, 43],
+                          [3, 13, 29, 32, 23, 29], [36, 42, 11, 32, 23, 47]],
+    SamplingParams(0.7): [[35, 38, 8, 21, 27, 43], [14, 31, 8, 3, 45, 43],
+                          [3, 13, 29, 32, 45, 29], [36, 42, 11, 32, 23, 47]],
+    SamplingParams(1.0, top_k=5): [[7, 42, 8, 21, 27, 22], [7, 31, 8, 3, 45, 22],
+                                   [25, 13, 26, 32, 45, 29], [36, 42, 8, 32, 27, 22]],
+    SamplingParams(1.0, top_p=0.8): [[3, 38, 8, 21, 27, 43], [14, 31, 8, 3, 45, 43],
+                                     [3, 13, 29, 32, 23, 29], [36, 42, 11, 32, 23, 47]],
+}
+
 
 def _mix32_py(x):
     x ^= x >> 16
@@ -61,6 +76,16 @@ def _h_py(key, pos, tok, stream=0):
 def test_golden_noise_bits(key, pos, tok, expected):
     assert int(noise_bits([key], [pos], [tok])[0, 0]) == expected
     assert _h_py(key, pos, tok) == expected
+
+
+@pytest.mark.parametrize("params", list(GOLDEN_DRAWS), ids=str)
+def test_golden_draws(params):
+    logits = torch.tensor([[((v * 37 + r * 11) % 29) / 4.0 for v in range(GOLDEN_VOCAB)]
+                           for r in range(GOLDEN_ROWS)])
+    keys = torch.tensor([sample_key(1234, 3, f"golden-{r}", r % 2) for r in range(GOLDEN_ROWS)])
+    draws = [keyed_sample(logits, keys, torch.full((GOLDEN_ROWS,), pos), params).tolist()
+             for pos in GOLDEN_POSITIONS]
+    assert draws == GOLDEN_DRAWS[params]
 
 
 @pytest.mark.parametrize("args,expected", GOLDEN_KEYS)

@@ -56,9 +56,9 @@ def test_drafting_only_inside_the_bubble(runs):
     on, _ = runs
     for record in on["records"]:
         for rank in (0, 1):
-            idle = record.get(f"rank{rank}/bubble/idle_s", 0.0)
-            drafting = record.get(f"rank{rank}/bubble/drafting_s", 0.0)
-            overshoot = record.get(f"rank{rank}/bubble/overshoot_s", 0.0)
+            idle = record[f"rank{rank}/bubble/idle_s"]
+            drafting = record[f"rank{rank}/bubble/drafting_s"]
+            overshoot = record[f"rank{rank}/bubble/overshoot_s"]
             assert drafting <= idle + overshoot + 0.05, (record["step"], rank)
 
 

@@ -8,7 +8,7 @@ line::
 
 ``question`` is a non-empty string. ``answer`` is the final numeric answer, as a string or a JSON
 number, or a GSM8K-style worked solution whose number after the last ``####`` is the answer. It is
-stored normalised (``gsm8k.normalize_number``), so "1,000" and 1000 are the same answer. Other
+stored normalised (``answers.normalize_number``), so "1,000" and 1000 are the same answer. Other
 keys are ignored. Blank lines are skipped (a trailing newline or a spacer line is not an error),
 but rows keep their line numbers: row N is line N of the file, and a record's uid is
 ``jsonl-<line number>``, stable as long as the file's lines do not move.
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from megatron_bubblespec.data.gsm8k import normalize_number
+from megatron_bubblespec.data.answers import normalize_number
 
 T = TypeVar("T")
 

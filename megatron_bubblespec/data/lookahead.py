@@ -26,25 +26,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        z = x + _GOLDEN
-        z = (z ^ (z >> np.uint64(30))) * _M1
-        z = (z ^ (z >> np.uint64(27))) * _M2
-        return z ^ (z >> np.uint64(31))
+from megatron_bubblespec.splitmix import chain
 
 
 def epoch_permutation(seed: int, epoch: int, num_prompts: int) -> np.ndarray:
     """The seeded order of epoch ``epoch`` before any straddle adjustment (int64 indices)."""
-    mask = (1 << 64) - 1
-    head = _splitmix64(np.array([seed & mask], dtype=np.uint64))
-    head = _splitmix64(head ^ np.uint64(epoch & mask))
-    keys = _splitmix64(head ^ np.arange(num_prompts, dtype=np.uint64))
+    keys = chain(seed, epoch, np.arange(num_prompts, dtype=np.uint64))
     return np.argsort(keys, kind="stable")
 
 

@@ -26,7 +26,7 @@ of it; ``correct`` then dominates once the policy writes digits.
 questions and answers, see ``data.jsonl``) use a chat tokenizer (SmolLM2's by default). The user
 message asks for the final answer on its own line after ``####``. Reward::
 
-    correct  1.0 if the extracted answer (``gsm8k.extract_answer``) equals the reference
+    correct  1.0 if the extracted answer (``answers.extract_answer``) equals the reference
     format   0.2 if the answer is marked ("#### <number>" or "\\boxed{<number>}"),
              else 0.1 if the response stopped with EOS within the token budget
 
@@ -46,13 +46,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Protocol, Sequence, runtime_checkable
 
-from megatron_bubblespec.data.gsm8k import (
-    GSM8KRecord,
-    answers_match,
-    extract_answer,
-    load_gsm8k,
-)
+from megatron_bubblespec.data.answers import answers_match, extract_answer
+from megatron_bubblespec.data.gsm8k import GSM8KRecord, load_gsm8k
 from megatron_bubblespec.data.jsonl import JsonlRecord, load_jsonl
+from megatron_bubblespec.splitmix import chain, splitmix64
 
 # Token ids of the synthetic task (ids 0 and 1 are pad and bos of ``make_tiny_checkpoint``).
 EOS_ID = 2
@@ -127,16 +124,8 @@ def _check_index(task_name: str, index: int, size: int) -> int:
 
 def _operands(seed: int, index: int, max_operand: int) -> tuple[int, int]:
     """Two operands in 0..max_operand, a pure function of (seed, index) (splitmix64 chain)."""
-    mask = (1 << 64) - 1
-
-    def mix(z: int) -> int:
-        z = (z + 0x9E3779B97F4A7C15) & mask
-        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-        return z ^ (z >> 31)
-
-    h = mix(mix(seed & mask) ^ (index & mask))
-    first, second = mix(h), mix(h ^ 0xD1B54A32D192ED03)
+    h = chain(seed, index)
+    first, second = splitmix64(h), splitmix64(h ^ 0xD1B54A32D192ED03)
     return first % (max_operand + 1), second % (max_operand + 1)
 
 

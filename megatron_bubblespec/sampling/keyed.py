@@ -47,6 +47,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_bubblespec.splitmix import chain
+
 MASK32 = 0xFFFFFFFF
 _HIGH_BIT = 1 << 31
 _M1 = 0x7FEB352D
@@ -152,13 +154,6 @@ def gumbel_noise(keys, positions, token_ids, stream: int = STREAM_SAMPLE,
 
 # ----------------------------------------------------------------------------------------- keys
 
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return x ^ (x >> 31)
-
-
 def _uid_word(prompt_uid: int | str) -> int:
     if isinstance(prompt_uid, int):
         return prompt_uid & 0xFFFFFFFFFFFFFFFF
@@ -175,14 +170,11 @@ def to_int64(key: int) -> int:
 def sample_key(seed: int, step: int, prompt_uid: int | str, sample_index: int) -> int:
     """The 64-bit key H(run seed, step, prompt uid, sample index), as a signed int64 value.
 
-    A chain of splitmix64 finalisers; string uids are first hashed with BLAKE2b-64. The draft for
+    A chain of splitmix64 finalisers (``megatron_bubblespec.splitmix.chain``); string uids are first hashed with BLAKE2b-64. The draft for
     step t+1's sample uses this same function with step t+1, so the draft and the real draw share
     their noise.
     """
-    h = _splitmix64(seed & 0xFFFFFFFFFFFFFFFF)
-    for word in (step, _uid_word(prompt_uid), sample_index):
-        h = _splitmix64(h ^ (word & 0xFFFFFFFFFFFFFFFF))
-    return to_int64(h)
+    return to_int64(chain(seed, step, _uid_word(prompt_uid), sample_index))
 
 
 # -------------------------------------------------------------------------------------- sampler

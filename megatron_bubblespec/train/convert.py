@@ -15,7 +15,6 @@ Sharding across TP ranks and PP stages is separate (``train.sharding``, ``train.
 from __future__ import annotations
 
 import re
-from typing import Iterator
 
 import torch
 
@@ -112,8 +111,3 @@ def megatron_to_hf(name: str, tensor: torch.Tensor, spec: ModelSpec) -> list[tup
         if suffix in (mg_suffix, _LOCAL_SPEC_NORMS.get(mg_suffix)):
             return [(hf + hf_suffix, tensor)]
     raise KeyError(f"no HF mapping for Megatron tensor {name!r}")
-
-
-def megatron_state_to_hf(full: dict[str, torch.Tensor], spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in full.items():
-        yield from megatron_to_hf(name, tensor, spec)
