@@ -21,7 +21,7 @@ from megatron_bubblespec.rollout.base import RolloutEngine
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
 from megatron_bubblespec.rollout.torch_llama import TorchLlama
 from megatron_bubblespec.sampling import SamplingParams
-from megatron_bubblespec.spec.pool import DraftPool
+from megatron_bubblespec.spec.pool import Continuation, DraftPool
 from megatron_bubblespec.spec.verify import (target_probs, verify_keyed, verify_lenient,
                                              verify_residual)
 from megatron_bubblespec.tokens import pad_token_rows
@@ -36,9 +36,7 @@ class _Running:
     logprobs: list[float] = field(default_factory=list)
     cached: int = 0            # tokens of prompt + response whose keys/values are in the slot
     decode_steps: int = 0
-    proposed: int = 0
-    accepted: int = 0
-    pool: DraftPool | None = None
+    continuation: Continuation | None = None
     finish_reason: str | None = None
 
     @property
@@ -168,8 +166,9 @@ class ReferenceEngine(RolloutEngine):
     def _admit(self, request: RolloutRequest, params: SamplingParams) -> _Running:
         state = _Running(request, params, self.model.cache.acquire(), list(request.response_prefix))
         if self.speculative_continuation and request.draft_pool:
-            state.pool = DraftPool(request.prompt_token_ids, request.draft_pool,
-                                   self.spec_min_match, self.spec_max_match)
+            pool = DraftPool(request.prompt_token_ids, request.draft_pool,
+                             self.spec_min_match, self.spec_max_match)
+            state.continuation = Continuation(pool, self.spec_k) if pool else None
         self._running[request.request_id] = state
         return state
 
@@ -191,8 +190,8 @@ class ReferenceEngine(RolloutEngine):
         proposals = []
         for s in states:
             budget = s.request.max_new_tokens - len(s.response) - 1
-            k = min(self.spec_k, budget)
-            proposals.append(s.pool.propose(s.context, k) if s.pool is not None and k > 0 else [])
+            proposals.append(s.continuation.propose(s.context, budget)
+                             if s.continuation is not None else [])
         rows = [[s.context[-1]] + p for s, p in zip(states, proposals)]
         tokens, lengths = pad_token_rows(rows)
         starts = torch.tensor([s.cached for s in states])
@@ -213,8 +212,8 @@ class ReferenceEngine(RolloutEngine):
             n = int(result.accepted[row])
             new = proposal[:n] + ([int(result.next_token[row])]
                                   if int(result.next_token[row]) >= 0 else [])
-            s.proposed += len(proposal)
-            s.accepted += n
+            if s.continuation is not None:
+                s.continuation.record(proposal, n)
             for tok, logprob in zip(new, _logprobs_of(logits[row], new)):
                 if self._check_done(s):
                     break
@@ -242,5 +241,6 @@ class ReferenceEngine(RolloutEngine):
     def _finish(self, s: _Running) -> RolloutResult:
         del self._running[s.request.request_id]
         self.model.cache.release(s.slot)
+        c = s.continuation
         return RolloutResult(s.request.request_id, s.response, s.logprobs, s.decode_steps,
-                             s.finish_reason, s.proposed, s.accepted)
+                             s.finish_reason, c.proposed if c else 0, c.accepted if c else 0)

@@ -45,6 +45,7 @@ from megatron_bubblespec.cache import cache_dir
 from megatron_bubblespec.rollout.base import RolloutEngine
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
 from megatron_bubblespec.sampling import SamplingParams, keyed_sample
+from megatron_bubblespec.rollout.vllm_proposer import POOL_ARGS_KEY, PoolProposer, pool_extra_args
 
 EXTRA_ARGS_KEY = "bubblespec_keyed"
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
@@ -108,6 +109,9 @@ def _processor_class():
         def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
             self.vocab_size = vllm_config.model_config.get_vocab_size()
             self.rows: dict[int, _Row] = {}
+            # This spec step's proposed tokens per batch row while the rejection sampler samples
+            # the bonus rows (set by ``vllm_patches``), else None.
+            self.draft_counts: list[int] | None = None
 
         def is_argmax_invariant(self) -> bool:
             return False  # True would skip it for greedy requests, and every request here is greedy
@@ -133,21 +137,47 @@ def _processor_class():
                 if direction == MoveDirectionality.SWAP and row_dst is not None:
                     self.rows[src] = row_dst
 
+        def _position(self, row: _Row) -> int:
+            return row.offset + len(row.output_token_ids)
+
         def apply(self, logits: torch.Tensor) -> torch.Tensor:
-            if not self.rows:
-                return logits
-            groups: dict[SamplingParams, list[int]] = {}
+            """One row per batch request: its next token (a spec step's bonus row comes after
+            the request's ``draft_counts[index]`` proposed tokens)."""
+            drafts = self.draft_counts
+            targets = []
             for index, row in self.rows.items():
                 if index >= logits.shape[0]:
                     raise RuntimeError(f"keyed row {index} outside the logits batch "
                                        f"{tuple(logits.shape)}: batch tracking is broken")
-                groups.setdefault(row.params, []).append(index)
-            for params, indices in groups.items():
-                rows = [self.rows[i] for i in indices]
-                index_t = torch.tensor(indices, device=logits.device)
-                keys = torch.tensor([r.key for r in rows], dtype=torch.int64, device=logits.device)
-                positions = torch.tensor([r.offset + len(r.output_token_ids) for r in rows],
-                                         dtype=torch.int64, device=logits.device)
+                targets.append((index, row, self._position(row) + (drafts[index] if drafts else 0)))
+            return self._force(logits, targets)
+
+        def force_draft_rows(self, logits: torch.Tensor, num_draft_tokens: list[int]):
+            """The rejection sampler's draft rows: request i's n_i rows are consecutive, in batch
+            order, row j keyed at the request's next position + j."""
+            targets, start = [], 0
+            for index, n in enumerate(num_draft_tokens):
+                row = self.rows.get(index)
+                if row is None and n:
+                    raise RuntimeError(f"batch row {index} has {n} proposed tokens but no key")
+                targets.extend((start + j, row, self._position(row) + j) for j in range(n))
+                start += n
+            if start != logits.shape[0]:
+                raise RuntimeError(f"{start} draft rows expected, logits have {logits.shape[0]}")
+            return self._force(logits, targets)
+
+        def _force(self, logits: torch.Tensor, targets) -> torch.Tensor:
+            """Set each target row (logits row, request row, response position) to a one-hot of
+            its keyed draw."""
+            groups: dict[SamplingParams, list] = {}
+            for target in targets:
+                groups.setdefault(target[1].params, []).append(target)
+            for params, group in groups.items():
+                index_t = torch.tensor([t[0] for t in group], device=logits.device)
+                keys = torch.tensor([t[1].key for t in group], dtype=torch.int64,
+                                    device=logits.device)
+                positions = torch.tensor([t[2] for t in group], dtype=torch.int64,
+                                         device=logits.device)
                 tokens = keyed_sample(logits.index_select(0, index_t), keys, positions, params,
                                       vocab_size=self.vocab_size)
                 logits.index_fill_(0, index_t, float("-inf"))
@@ -173,6 +203,11 @@ def _reload_weights_on_worker(worker, state_dict: dict[str, torch.Tensor]) -> No
     worker.reload_weights(weights_iterator=iter(state_dict.items()))
 
 
+def _pop_continuation_counts(worker, vllm_ids: list[str]) -> dict[str, tuple[int, int]]:
+    """Runs on each vLLM worker: the proposer's totals for these requests (see ``PoolProposer``)."""
+    return worker.model_runner.drafter.pop_counts(vllm_ids)
+
+
 # ----------------------------------------------------------------------------------- the engine
 
 @dataclass
@@ -184,6 +219,8 @@ class _Live:
     token_ids: list[int] = field(default_factory=list)   # generated after the prefix
     logprobs: list[float] = field(default_factory=list)
     emitting_steps: int = 0
+    pooled: bool = False                  # proposes from a draft pool (speculative continuation)
+    continuation: tuple[int, int] = (0, 0)   # (proposed, accepted) tokens, known when it ends
 
 
 class VLLMEngine(RolloutEngine):
@@ -204,6 +241,11 @@ class VLLMEngine(RolloutEngine):
         makes every torchrun rank build its own engine over the already-initialised process
         group (TP > 1 in the SPMD style). ``skip_tokenizer_init`` defaults to "the directory has no
         tokenizer files". Extra keyword arguments go to ``vllm.LLM``.
+
+        ``speculative_continuation``: requests with a ``draft_pool`` propose up to ``spec_k``
+        tokens per engine step from it (n-grams of ``spec_min_match`` .. ``spec_max_match``
+        tokens), verified exactly inside vLLM's spec-decode step (``vllm_proposer``,
+        ``vllm_patches``).
         """
         prepare_environment(in_process=in_process)
         from vllm import LLM
@@ -231,6 +273,15 @@ class VLLMEngine(RolloutEngine):
             kwargs["enforce_eager"] = True
         if distributed_executor_backend is not None:
             kwargs["distributed_executor_backend"] = distributed_executor_backend
+        self.speculative_continuation = speculative_continuation
+        self.spec_k, self.spec_min_match, self.spec_max_match = spec_k, spec_min_match, spec_max_match
+        if speculative_continuation:
+            from megatron_bubblespec.rollout import vllm_patches
+
+            vllm_patches.install()
+            kwargs["speculative_config"] = {"method": "custom_class",
+                                            "model": f"{PoolProposer.__module__}.PoolProposer",
+                                            "num_speculative_tokens": int(spec_k)}
         kwargs.update(llm_kwargs)
         self.llm = LLM(**kwargs)
         self._engine = self.llm.llm_engine
@@ -245,12 +296,17 @@ class VLLMEngine(RolloutEngine):
         from vllm import SamplingParams as VLLMSamplingParams
 
         n_prefix = len(request.response_prefix)
+        extra_args = {EXTRA_ARGS_KEY: _params_to_extra(params, request.key, n_prefix)}
+        if self.speculative_continuation and request.draft_pool and not prefix_complete:
+            extra_args[POOL_ARGS_KEY] = pool_extra_args(
+                len(request.prompt_token_ids), request.draft_pool, self.spec_k,
+                self.spec_min_match, self.spec_max_match)
         return VLLMSamplingParams(
             n=1, temperature=0.0,   # greedy: vLLM's sampler takes the token the processor forced
             max_tokens=1 if prefix_complete else request.max_new_tokens - n_prefix,
             stop_token_ids=list(request.eos_token_ids), ignore_eos=True,
             logprobs=0, prompt_logprobs=0 if n_prefix else None, detokenize=False,
-            extra_args={EXTRA_ARGS_KEY: _params_to_extra(params, request.key, n_prefix)})
+            extra_args=extra_args)
 
     def add(self, requests: Iterable[RolloutRequest], params: SamplingParams) -> None:
         requests = list(requests)
@@ -271,15 +327,16 @@ class VLLMEngine(RolloutEngine):
         for request, prefix_complete in zip(requests, complete):
             prompt = {"prompt_token_ids": list(request.prompt_token_ids)
                       + list(request.response_prefix)}
-            vllm_id = self._engine.add_request(
-                request.request_id, prompt, self._vllm_params(request, params, prefix_complete))
-            self._live[request.request_id] = _Live(request, vllm_id, prefix_complete)
+            vllm_params = self._vllm_params(request, params, prefix_complete)
+            vllm_id = self._engine.add_request(request.request_id, prompt, vllm_params)
+            self._live[request.request_id] = _Live(
+                request, vllm_id, prefix_complete, pooled=POOL_ARGS_KEY in vllm_params.extra_args)
 
     def has_unfinished(self) -> bool:
         return bool(self._live)
 
     def step(self) -> list[RolloutResult]:
-        finished = []
+        ended = []
         for output in self._engine.step():
             live = self._live.get(output.request_id)
             if live is None:
@@ -287,8 +344,9 @@ class VLLMEngine(RolloutEngine):
             self._absorb(live, output)
             if output.finished:
                 del self._live[output.request_id]
-                finished.append(self._result(live, output.outputs[0].finish_reason))
-        return finished
+                ended.append((live, output.outputs[0].finish_reason))
+        self._collect_continuation([live for live, _ in ended])
+        return [self._result(live, reason) for live, reason in ended]
 
     def abort(self, request_ids: Iterable[str] | None = None) -> list[RolloutResult]:
         ids = list(self._live if request_ids is None else
@@ -296,7 +354,18 @@ class VLLMEngine(RolloutEngine):
         if not ids:
             return []
         self._engine.abort_request([self._live[i].vllm_id for i in ids], internal=True)
-        return [self._result(self._live.pop(i), "abort") for i in ids]
+        ended = [self._live.pop(i) for i in ids]
+        self._collect_continuation(ended)
+        return [self._result(live, "abort") for live in ended]
+
+    def _collect_continuation(self, ended: list[_Live]) -> None:
+        """Fetch the proposer's (proposed, accepted) totals of requests that just ended."""
+        pooled = {live.vllm_id: live for live in ended if live.pooled}
+        if not pooled:
+            return
+        counts = self.llm.collective_rpc(_pop_continuation_counts, args=(list(pooled),))[0]
+        for vllm_id, live in pooled.items():
+            live.continuation = tuple(counts.get(vllm_id, (0, 0)))
 
     def _absorb(self, live: _Live, output) -> None:
         """Take the new tokens / logprobs of one (cumulative) RequestOutput."""
@@ -332,7 +401,8 @@ class VLLMEngine(RolloutEngine):
         if prefix_logprobs is None:  # only when aborted before the prefill finished
             prefix_logprobs = [math.nan] * len(prefix)
         return RolloutResult(request.request_id, prefix + generated,
-                             list(prefix_logprobs) + generated_logprobs, decode_steps, reason)
+                             list(prefix_logprobs) + generated_logprobs, decode_steps, reason,
+                             *live.continuation)
 
     # --------------------------------------------------------------------------------- weights
 

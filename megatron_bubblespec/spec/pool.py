@@ -38,3 +38,48 @@ class DraftPool:
                 s, end = hit
                 return self.sequences[s][end:end + k]
         return []
+
+
+class Continuation:
+    """One sample's speculative continuation: pool proposals of up to ``k`` tokens, and a pause
+    after repeated misses (a rejected proposal costs compute: a k-token verify step is slower than
+    a plain step on a CPU).
+
+    After ``MISSES_BEFORE_PAUSE`` proposals in a row with nothing accepted, the sample stops
+    proposing for a number of its decode steps that doubles with every pause (at most
+    ``MAX_PAUSE``); an accepted token resets both. Both engines call ``propose`` once per decode
+    step and ``record`` once per verified proposal, so they propose the same tokens.
+    """
+
+    MISSES_BEFORE_PAUSE = 2
+    MAX_PAUSE = 16
+
+    def __init__(self, pool: DraftPool, k: int):
+        if k < 1:
+            raise ValueError(f"need k >= 1 proposed tokens, got {k}")
+        self.pool, self.k = pool, k
+        self.proposed = self.accepted = 0      # totals over the sample
+        self._misses = self._pause = self._waiting = 0
+
+    def propose(self, context: Sequence[int], budget: int) -> list[int]:
+        """Up to min(k, budget) tokens for the next decode step (``budget``: tokens the response
+        may still take after the one this step surely emits)."""
+        if self._waiting > 0:
+            self._waiting -= 1
+            return []
+        return self.pool.propose(context, min(self.k, budget))
+
+    def record(self, proposal: Sequence[int], accepted: int) -> None:
+        """The verifier kept the first ``accepted`` tokens of ``proposal``."""
+        if not proposal:
+            return
+        self.proposed += len(proposal)
+        self.accepted += accepted
+        if accepted:
+            self._misses = self._pause = 0
+            return
+        self._misses += 1
+        if self._misses >= self.MISSES_BEFORE_PAUSE:
+            self._pause = min(self.MAX_PAUSE, max(1, 2 * self._pause))
+            self._waiting, self._misses = self._pause, 0
+

@@ -1,0 +1,133 @@
+"""vLLM's sampled tokens per batch row -> each request's ``Continuation`` -> next step's proposals.
+
+vLLM's ``custom_class`` speculative method builds ``PoolProposer(vllm_config)`` inside the model
+runner and calls ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu, ...)`` after every
+engine step; it returns one list of proposed token ids per batch row (empty allowed). The call
+carries no request ids, so the proposer keeps the runner that built it (found by walking up the
+call frames of ``__init__``) and reads ``runner.input_batch.req_ids`` and each request's sampling
+params. A request takes part when its ``extra_args[POOL_ARGS_KEY]`` holds the prompt's drafts and
+the continuation options; the proposals and the adaptive pause are ``spec.pool.Continuation``'s,
+the same object the reference engine uses, so both engines propose the same tokens.
+
+Each row's sampled tokens settle the proposal made for it one step earlier: all but the last were
+accepted (vLLM's greedy rejection sampler, run on the keyed tokens, see ``vllm_patches``), counted
+up to the response's first EOS. The engine collects the totals with ``pop_counts`` (through
+``collective_rpc``) when a request finishes or is aborted.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+from megatron_bubblespec.spec.pool import Continuation, DraftPool
+
+POOL_ARGS_KEY = "bubblespec_pool"
+
+
+def pool_extra_args(prompt_len: int, drafts: list[list[int]], k: int, min_match: int,
+                    max_match: int) -> dict:
+    """What a request carries in ``SamplingParams.extra_args[POOL_ARGS_KEY]`` (``prompt_len``:
+    the prompt's length without the response prefix that vLLM receives as part of it)."""
+    return {"prompt_len": int(prompt_len), "drafts": [list(d) for d in drafts], "k": int(k),
+            "min_match": int(min_match), "max_match": int(max_match)}
+
+
+def accepted_before_end(proposal: list[int], accepted: int, eos_token_ids) -> int:
+    """Accepted proposal tokens that the response keeps: none after its first EOS."""
+    eos = set(eos_token_ids)
+    return next((j + 1 for j, token in enumerate(proposal[:accepted]) if token in eos), accepted)
+
+
+@dataclass
+class _Request:
+    continuation: Continuation
+    eos_token_ids: frozenset[int]
+    max_match: int
+    pending: list[int] = field(default_factory=list)   # proposed for the step now running
+
+
+def _model_runner():
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    frame = inspect.currentframe()
+    while frame is not None:
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, GPUModelRunner):
+            return candidate
+        frame = frame.f_back
+    raise RuntimeError("PoolProposer must be built by vLLM's model runner (speculative_config "
+                       "method 'custom_class')")
+
+
+class PoolProposer:
+    """vLLM ``custom_class`` proposer over each request's draft pool (see the module doc)."""
+
+    def __init__(self, vllm_config) -> None:
+        from megatron_bubblespec.rollout import vllm_patches
+
+        vllm_patches.install()   # the runner builds its logits processors after its proposer
+        self.runner = _model_runner()
+        self.requests: dict[str, _Request] = {}
+        self.finished: dict[str, tuple[int, int]] = {}   # request id -> (proposed, accepted)
+
+    def load_model(self, *args, **kwargs) -> None:
+        """Nothing to load (vLLM's CPU runner calls this for every proposer)."""
+
+    def _request(self, request_id: str) -> _Request | None:
+        state = self.requests.get(request_id)
+        if state is not None:
+            return state
+        cached = self.runner.requests.get(request_id)
+        params = cached.sampling_params if cached is not None else None
+        spec = (params.extra_args or {}).get(POOL_ARGS_KEY) if params is not None else None
+        if not spec:
+            return None
+        prompt = cached.prompt_token_ids[:spec["prompt_len"]]   # vLLM's prompt holds the prefix too
+        pool = DraftPool(prompt, spec["drafts"], spec["min_match"], spec["max_match"])
+        if not pool:
+            return None
+        state = _Request(Continuation(pool, spec["k"]), frozenset(params.stop_token_ids or ()),
+                         spec["max_match"])
+        self.requests[request_id] = state
+        return state
+
+    def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, **_) -> list[list[int]]:
+        batch = self.runner.input_batch
+        proposals: list[list[int]] = []
+        for row, request_id in enumerate(batch.req_ids[:len(sampled_token_ids)]):
+            state = self._request(request_id)
+            sampled = sampled_token_ids[row]
+            if state is None or not sampled:   # no pool, or a prefill chunk that emitted nothing
+                proposals.append([])
+                continue
+            if state.pending:
+                accepted = accepted_before_end(state.pending, len(sampled) - 1,
+                                               state.eos_token_ids)
+                state.continuation.record(state.pending, accepted)
+            n_tokens = int(num_tokens_no_spec[row])
+            generated = n_tokens - int(batch.num_prompt_tokens[row])
+            max_tokens = self.runner.requests[request_id].sampling_params.max_tokens
+            context = token_ids_cpu[row, max(0, n_tokens - state.max_match):n_tokens].tolist()
+            state.pending = state.continuation.propose(context, max_tokens - generated - 1)
+            proposals.append(list(state.pending))
+        self._retire()
+        return proposals
+
+    def _retire(self) -> None:
+        """Move the totals of requests the runner no longer holds to ``finished``."""
+        for request_id in [r for r in self.requests if r not in self.runner.requests]:
+            c = self.requests.pop(request_id).continuation
+            self.finished[request_id] = (c.proposed, c.accepted)
+
+    def pop_counts(self, request_ids) -> dict[str, tuple[int, int]]:
+        """(proposed, accepted) per request id, forgetting them (finished or aborted requests)."""
+        counts = {}
+        for request_id in request_ids:
+            state = self.requests.pop(request_id, None)
+            done = self.finished.pop(request_id, None)
+            if state is not None:
+                done = (state.continuation.proposed, state.continuation.accepted)
+            if done is not None:
+                counts[request_id] = done
+        return counts

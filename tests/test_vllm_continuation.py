@@ -1,0 +1,265 @@
+"""Speculative continuation inside vLLM: proposals from a draft pool, verified in vLLM's spec step.
+
+Whatever is proposed, the tokens must equal plain keyed decoding token for token and the raw
+logprobs must stay within 1e-6 (CPU float32): true, corrupted, random, shifted and empty
+proposals, an EOS inside accepted proposals, continuation from a verified prefix, T = 1, greedy and
+T = 0.7 with top-p, and a batch where only some requests have a pool. The reference engine with
+continuation on proposes the same tokens (the same ``spec.pool.Continuation``), so it must agree
+token for token and in its proposed / accepted counts. Also: the version pin, the proposer's
+adaptive pause, and that proposals really do save engine steps (else the test would be vacuous).
+
+One plain and one continuation engine per module on a tiny random Llama (vocab 256, head_dim 32).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from megatron_bubblespec.models.architecture import make_tiny_checkpoint  # noqa: E402
+from megatron_bubblespec.rollout.reference import ReferenceEngine  # noqa: E402
+from megatron_bubblespec.rollout.vllm_engine import VLLMEngine  # noqa: E402
+from megatron_bubblespec.sampling import SamplingParams, sample_key  # noqa: E402
+from megatron_bubblespec.sampling.requests import RolloutRequest  # noqa: E402
+from megatron_bubblespec.spec.pool import Continuation, DraftPool  # noqa: E402
+
+VOCAB = 256
+MAX_NEW = 48
+SPEC_K = 4
+LOGPROB_TOL = 1e-6
+PARAMS = {"T1": SamplingParams(1.0), "greedy": SamplingParams(0.0),
+          "T0.7-p0.9": SamplingParams(0.7, top_p=0.9)}
+PROMPT_LENGTHS = [3, 5, 8, 13, 21, 6]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_cont"), "llama", seed=0,
+                                vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4,
+                                num_kv_heads=2, head_dim=32, intermediate_size=128)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def keys(prompts):
+    return [sample_key(77, 1, i, 0) for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def plain_engine(checkpoint):
+    return VLLMEngine(checkpoint, max_model_len=512, seed=0)
+
+
+@pytest.fixture(scope="module")
+def spec_engine(checkpoint):
+    engine = VLLMEngine(checkpoint, max_model_len=512, seed=0, speculative_continuation=True,
+                        spec_k=SPEC_K, spec_min_match=2, spec_max_match=8)
+    yield engine
+    assert not engine.has_unfinished()
+
+
+def _requests(tag, prompts, keys, pools=None, prefixes=None, eos=None, max_new=MAX_NEW):
+    n = len(prompts)
+    pools, prefixes, eos = pools or [[]] * n, prefixes or [[]] * n, eos or [()] * n
+    return [RolloutRequest(f"{tag}-{i}", p, keys[i], max_new, response_prefix=list(prefixes[i]),
+                           eos_token_ids=tuple(eos[i]), draft_pool=pools[i])
+            for i, p in enumerate(prompts)]
+
+
+@pytest.fixture(scope="module")
+def plain(plain_engine, prompts, keys):
+    """Plain keyed decoding (an engine without any speculative config), per sampling setting."""
+    return {name: plain_engine.generate(_requests(f"plain-{name}", prompts, keys), params)
+            for name, params in PARAMS.items()}
+
+
+def _corrupt(tokens, every, rng):
+    return [rng.randrange(3, VOCAB) if j % every == every - 1 else t for j, t in enumerate(tokens)]
+
+
+def _shift(tokens, rng):
+    """Insertions and deletions: the draft's text, out of step with the response's positions."""
+    out = []
+    for j, t in enumerate(tokens):
+        if j % 9 == 4:
+            continue                           # deletion
+        out.append(t)
+        if j % 11 == 7:
+            out.append(rng.randrange(3, VOCAB))  # insertion
+    return out
+
+
+def _pools(kind, responses, seed=0):
+    rng = random.Random(seed)
+    if kind == "true":
+        return [[r] for r in responses]
+    if kind == "corrupted":
+        return [[_corrupt(r, 7, rng)] for r in responses]
+    if kind == "random":   # random tokens after true bigrams, so that they are proposed at all
+        return [[r[j:j + 2] + [rng.randrange(3, VOCAB) for _ in range(6)]
+                 for j in range(0, len(r), 8)] for r in responses]
+    if kind == "shifted":
+        return [[_shift(r, rng)] for r in responses]
+    if kind == "empty":
+        return [[[]] for _ in responses]
+    if kind == "siblings":   # only the other samples' texts, plus the own text shifted
+        return [[_shift(r, rng)] + [o for j, o in enumerate(responses) if j != i]
+                for i, r in enumerate(responses)]
+    raise ValueError(kind)
+
+
+def _assert_same(got, want, label):
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.token_ids == w.token_ids, f"{label}: request {i} tokens differ"
+        assert g.finish_reason == w.finish_reason, f"{label}: request {i}"
+        assert len(g.logprobs) == len(w.logprobs)
+        diff = max((abs(a - b) for a, b in zip(g.logprobs, w.logprobs)), default=0.0)
+        assert diff <= LOGPROB_TOL, f"{label}: request {i} logprobs differ by {diff:.2e}"
+
+
+@pytest.mark.parametrize("kind", ["true", "corrupted", "random", "shifted", "empty", "siblings"])
+@pytest.mark.parametrize("name", list(PARAMS))
+def test_continuation_equals_plain_keyed_decoding(spec_engine, plain, prompts, keys, kind, name):
+    want = plain[name]
+    pools = _pools(kind, [r.token_ids for r in want])
+    got = spec_engine.generate(_requests(f"{kind}-{name}", prompts, keys, pools), PARAMS[name])
+    _assert_same(got, want, f"{kind}/{name}")
+    proposed = sum(r.proposed_tokens for r in got)
+    accepted = sum(r.accepted_tokens for r in got)
+    steps = spec_engine.last_engine_steps
+    assert all(r.accepted_tokens <= r.proposed_tokens for r in got)
+    assert all(r.decode_steps <= w.decode_steps for r, w in zip(got, want))
+    if kind == "empty":
+        assert proposed == 0 and steps == MAX_NEW
+    elif kind == "true":
+        assert accepted > 0.8 * proposed
+        # greedy text of a random model loops, and a loop's earliest n-gram match may be wrong
+        bound = MAX_NEW // 2 if name == "greedy" else MAX_NEW // SPEC_K + 2
+        assert steps <= bound, f"{steps} engine steps for true proposals"
+    elif kind in ("corrupted", "shifted", "siblings"):
+        assert 0 < accepted < proposed and steps < MAX_NEW
+    if kind != "empty":
+        assert proposed > 0
+
+
+def test_eos_inside_accepted_proposals(spec_engine, plain, prompts, keys):
+    want = plain["T1"]
+    stops, eos = [], []
+    for r in want:
+        tokens = r.token_ids
+        stop = next(j for j in range(10, len(tokens)) if tokens[j] not in tokens[:j])
+        stops.append(stop)
+        eos.append((tokens[stop],))
+    got = spec_engine.generate(_requests("eos", prompts, keys, _pools("true", [r.token_ids for r in want]),
+                                         eos=eos), PARAMS["T1"])
+    for i, (r, w, stop) in enumerate(zip(got, want, stops)):
+        assert r.finish_reason == "eos", f"request {i}"
+        assert r.token_ids == w.token_ids[:stop + 1]
+        assert max(abs(a - b) for a, b in zip(r.logprobs, w.logprobs)) <= LOGPROB_TOL
+        # the EOS itself was a proposal: accepted counts stop at it, never past the response
+        assert 0 < r.accepted_tokens <= stop
+    assert spec_engine.last_engine_steps < max(stops)
+
+
+def test_continuation_from_a_verified_prefix(spec_engine, plain, prompts, keys):
+    want = plain["T0.7-p0.9"]
+    cuts = [0, 1, 5, 17, 30, MAX_NEW - 1]
+    prefixes = [r.token_ids[:c] for r, c in zip(want, cuts)]
+    pools = _pools("corrupted", [r.token_ids for r in want], seed=5)
+    got = spec_engine.generate(_requests("prefix", prompts, keys, pools, prefixes),
+                               PARAMS["T0.7-p0.9"])
+    _assert_same(got, want, "prefix")
+    for r, c in zip(got, cuts):
+        assert r.decode_steps <= max(0, MAX_NEW - c - 1)
+    assert sum(r.accepted_tokens for r in got) > 0
+
+
+def test_mixed_batch_some_with_pools(spec_engine, plain, prompts, keys):
+    want = plain["T1"]
+    true = _pools("true", [r.token_ids for r in want])
+    pools = [true[i] if i % 2 == 0 else [] for i in range(len(prompts))]
+    got = spec_engine.generate(_requests("mix", prompts, keys, pools), PARAMS["T1"])
+    _assert_same(got, want, "mix")
+    for i, r in enumerate(got):
+        if i % 2:
+            assert r.proposed_tokens == 0 and r.decode_steps == MAX_NEW - 1
+        else:
+            assert r.accepted_tokens > 0 and r.decode_steps < MAX_NEW - 1
+    # the requests without a pool set the pace: one engine step per token
+    assert spec_engine.last_engine_steps == MAX_NEW
+
+
+def test_aborted_requests_report_their_counts(spec_engine, plain, prompts, keys):
+    want = plain["T1"]
+    spec_engine.add(_requests("abort", prompts, keys, _pools("true", [r.token_ids for r in want])),
+                    PARAMS["T1"])
+    for _ in range(3):
+        spec_engine.step()
+    aborted = spec_engine.abort()
+    assert len(aborted) == len(prompts)
+    for r, w in zip(aborted, want):
+        assert r.token_ids == w.token_ids[:len(r.token_ids)]
+        assert len(r.token_ids) == 1 + 2 * (SPEC_K + 1)   # prefill, then two full spec steps
+        assert r.accepted_tokens == 2 * SPEC_K
+    assert not spec_engine.llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("name", ["T1", "T0.7-p0.9"])
+def test_reference_engine_agrees_with_continuation_on(checkpoint, spec_engine, plain, prompts, keys,
+                                                      name):
+    want = plain[name]
+    pools = _pools("siblings", [r.token_ids for r in want], seed=11)
+    prefixes = [r.token_ids[:c] for r, c in zip(want, [0, 3, 0, 9, 0, 1])]
+    reference = ReferenceEngine(checkpoint, speculative_continuation=True, spec_k=SPEC_K,
+                                spec_min_match=2, spec_max_match=8)
+    ref = reference.generate(_requests(f"ref-{name}", prompts, keys, pools, prefixes), PARAMS[name])
+    got = spec_engine.generate(_requests(f"agree-{name}", prompts, keys, pools, prefixes),
+                               PARAMS[name])
+    for i, (r, v, w) in enumerate(zip(ref, got, want)):
+        assert r.token_ids == v.token_ids == w.token_ids, f"request {i}"
+        assert (r.proposed_tokens, r.accepted_tokens, r.decode_steps) == \
+            (v.proposed_tokens, v.accepted_tokens, v.decode_steps), f"request {i}"
+    assert reference.last_engine_steps == spec_engine.last_engine_steps
+    assert sum(r.accepted_tokens for r in got) > 0
+
+
+def test_continuation_pauses_after_misses():
+    prompt, draft = [1, 2, 3], [10, 11, 12, 13, 14, 15, 16, 17]
+    c = Continuation(DraftPool(prompt, [draft]), k=3)
+    context = prompt + draft[:2]
+    proposals = []
+    for _ in range(12):
+        proposal = c.propose(context, budget=10)
+        proposals.append(len(proposal))
+        c.record(proposal, 0)
+    # two misses, a pause of 1; two misses, a pause of 2; two misses, a pause of 4 ...
+    assert proposals == [3, 3, 0, 3, 3, 0, 0, 3, 3, 0, 0, 0]
+    assert (c.proposed, c.accepted) == (18, 0)
+    c = Continuation(DraftPool(prompt, [draft]), k=3)
+    for accepted in (0, 2, 0):   # a hit between two misses: no pause
+        proposal = c.propose(context, budget=10)
+        assert proposal == [12, 13, 14]
+        c.record(proposal, accepted)
+    assert c.propose(context, budget=2) == [12, 13]   # the budget caps k
+    assert c.propose(context, budget=0) == []
+    assert (c.proposed, c.accepted) == (9, 2)
+
+
+def test_patches_refuse_another_vllm_version(monkeypatch):
+    import vllm
+
+    from megatron_bubblespec.rollout import vllm_patches
+
+    monkeypatch.setattr(vllm_patches, "_INSTALLED", False)
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(RuntimeError, match="0.32.0 in process, but vLLM 0.33.0"):
+        vllm_patches.install()
