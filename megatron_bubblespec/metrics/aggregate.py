@@ -23,12 +23,15 @@ SUMMED = (
     "spec/drafted_samples",
     "spec/drafted_tokens",
     "spec/accepted_tokens",
+    "spec/continuation_proposed_tokens",
+    "spec/continuation_accepted_tokens",
     "sync/reshard_bytes",
 )
 # Wall times every rank waits for, and worst cases: the step's value is the slowest / worst rank.
 MAXED = (
     "rollout/time_s",
     "rollout/max_response_len",
+    "rollout/engine_steps",
     "spec/verify_s",
     "sync/reshard_s",
     "sync/logprob_abs_diff",
