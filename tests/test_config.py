@@ -82,3 +82,9 @@ def test_context_parallelism_needs_a_gpu():
         with pytest.raises(ConfigError, match="parallel.context=2 needs a GPU with Transformer "
                                               "Engine"):
             load_config(None, overrides)
+
+
+def test_kl_coef_is_a_non_negative_penalty():
+    assert load_config(None, ["train.kl_coef=0.05"]).train.kl_coef == 0.05
+    with pytest.raises(ConfigError, match=r"train.kl_coef=-0.1 must be >= 0"):
+        load_config(None, ["train.kl_coef=-0.1"])

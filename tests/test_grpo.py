@@ -357,17 +357,26 @@ def _bf16_worker(checkpoint, batch):
 
 def test_bf16_step_tracks_the_float32_step(reference, checkpoint, batch):
     """bfloat16 weights with fp32 master weights (Megatron's Float16Module + mixed-precision
-    Adam): logprobs and the update agree with float32 to bf16 precision, not bitwise."""
+    Adam): logprobs agree with float32 to bf16 precision, and every weight matrix moves in the
+    float32 step's direction by about its size."""
     ref_before, ref_metrics, ref_weights, _ = reference
     before, metrics, weights, dtypes = launch_local(_bf16_worker, 1, checkpoint, batch.data)[0]
     assert dtypes == {torch.bfloat16}
     assert float((before - ref_before).abs().max()) < 0.1          # bf16 has 8 mantissa bits
     assert metrics["train/loss"] == pytest.approx(ref_metrics["train/loss"], abs=2e-2)
     _, initial = load_checkpoint(checkpoint)
-    for name, tensor in ref_weights.items():
-        moved = weights[name] - initial[name]
-        assert float(moved.abs().max()) > 0.25 * LR, name           # the update happened
-        torch.testing.assert_close(weights[name], tensor, rtol=1e-2, atol=1e-2, msg=name)
+    matrices = [name for name, tensor in ref_weights.items() if tensor.dim() == 2]
+    assert len(matrices) > 0.5 * len(ref_weights)
+    for name in matrices:
+        start = initial[name].to(torch.bfloat16).float()    # what the bf16 model starts from
+        moved = (weights[name] - start).flatten()
+        wanted = (ref_weights[name] - initial[name]).flatten()
+        cosine = float(torch.nn.functional.cosine_similarity(moved, wanted, dim=0))
+        size = float(moved.norm() / wanted.norm())
+        # Measured: cosine 0.93-0.97, size 1.03-1.09 (bf16 rounds each weight's new value).
+        assert cosine > 0.85 and 0.8 < size < 1.25, (name, cosine, size)
+    # The norm weights (about 1.0, where bf16's step is 2**-7) cannot show a ~LR update in one
+    # step: it is kept in the fp32 master weights, the bf16 copy moves once it adds up.
 
 
 def _step_logprobs_worker(checkpoint, batch, pp):
@@ -386,3 +395,46 @@ def test_train_step_reports_the_logprobs_before_its_update(checkpoint, batch, pp
     engine-vs-Megatron check reads), on every pipeline stage."""
     for before, last in launch_local(_step_logprobs_worker, pp, checkpoint, batch.data, pp):
         torch.testing.assert_close(last, before, rtol=0, atol=1e-6)
+
+
+def _kl_worker(checkpoint, batch, kl_coef, steps):
+    """``steps`` steps on the same batch (without its own ref_logprobs); per step: metrics and
+    the batch's logprobs after it. Also the reference's logprobs at the end."""
+    init_distributed(1, 1, seed=7)
+    trainer = _trainer(checkpoint, replace(TRAIN, grpo=replace(GRPO, kl_coef=kl_coef)))
+    batch = replace(batch, ref_logprobs=None)
+    initial = trainer.logprobs(batch.tokens, batch.response_mask)
+    metrics, after = [], []
+    for _ in range(steps):
+        metrics.append(trainer.train_step(batch))
+        after.append(trainer.logprobs(batch.tokens, batch.response_mask))
+    weights = {k: t.clone() for k, t in trainer.resharder().named_tensors()}
+    reference = None if trainer.reference is None else \
+        trainer.reference_logprobs(batch.tokens, batch.response_mask)
+    destroy_distributed()
+    return initial, metrics, after, weights, reference
+
+
+def test_kl_penalty_pulls_towards_the_frozen_initial_policy(checkpoint, batch):
+    """kl_coef > 0: the reference is the initial policy, frozen (its logprobs never move); the
+    first step equals the kl_coef = 0 step bitwise (k3 and its gradient vanish where the policies
+    agree); later steps stay closer to the reference than without the penalty."""
+    steps = 4
+    free = launch_local(_kl_worker, 1, checkpoint, batch.data, 0.0, steps)[0]
+    tied = launch_local(_kl_worker, 1, checkpoint, batch.data, 1.0, steps)[0]
+    initial, free_metrics, free_after, _, no_reference = free
+    _, tied_metrics, tied_after, _, reference = tied
+    assert no_reference is None and "train/kl" not in free_metrics[0]
+    assert torch.equal(reference, initial)                         # frozen, the initial policy
+    assert tied_metrics[0]["train/kl"] == 0.0
+    assert torch.equal(tied_after[0], free_after[0])               # step 1: same update
+    mask = batch.data.response_mask
+
+    def kl_to_reference(logp):
+        return float(token_mean(kl_k3(logp, initial), mask))
+
+    assert all(m["train/kl"] > 0 for m in tied_metrics[1:])
+    assert tied_metrics[1]["train/kl"] == pytest.approx(kl_to_reference(tied_after[0]), rel=1e-4)
+    free_kl = [kl_to_reference(logp) for logp in free_after]
+    tied_kl = [kl_to_reference(logp) for logp in tied_after]
+    assert tied_kl[-1] < 0.9 * free_kl[-1], (tied_kl, free_kl)

@@ -110,9 +110,6 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"spec.rule={cfg.spec.rule!r} compares rules on BubbleSpec's own "
                               "drafts (the engine keeps only the last policy): use "
                               "spec.draft_lookahead=1 and spec.draft_source=bubble")
-    if cfg.train.kl_coef != 0.0:
-        raise ConfigError(f"train.kl_coef={cfg.train.kl_coef}: a KL penalty needs a frozen reference "
-                          "policy, which the loop does not keep yet; use train.kl_coef=0")
     if cfg.spec.min_match > cfg.spec.max_match:
         raise ConfigError(f"spec.min_match={cfg.spec.min_match} must be <= spec.max_match="
                           f"{cfg.spec.max_match}")

@@ -85,7 +85,7 @@ class TrainConfig:
     clip_grad: float = 1.0
     micro_batch_size: int = 4
     clip_eps: float = 0.2
-    kl_coef: float = 0.0
+    kl_coef: float = 0.0            # k3 KL penalty to the frozen initial policy (0 = none, no copy kept)
     normalize_advantage_std: bool = True
     use_distributed_optimizer: bool = False
     recompute_activations: bool = False  # full per-layer activation recompute (long contexts)
@@ -151,6 +151,7 @@ BOUNDS = {
     "train.lr": (lambda v: v >= 0, ">= 0"),
     "train.micro_batch_size": (lambda v: v >= 1, ">= 1"),
     "train.clip_eps": (lambda v: v > 0, "> 0"),
+    "train.kl_coef": (lambda v: v >= 0, ">= 0 (0 = no KL penalty)"),
     "model.max_model_len": (lambda v: v >= 16, ">= 16"),
     "parallel.context": (lambda v: v >= 1, ">= 1"),
     "rollout.tensor_parallel": (lambda v: v >= 1, ">= 1"),

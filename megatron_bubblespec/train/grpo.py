@@ -28,7 +28,6 @@ class GRPOConfig:
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2
     kl_coef: float = 0.0                 # 0 = no KL penalty (no reference policy needed)
-    scale_by_std: bool = True            # False: Dr. GRPO advantages (no division by the std)
     adv_eps: float = 1e-6
 
     def __post_init__(self):

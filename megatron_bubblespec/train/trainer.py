@@ -20,6 +20,12 @@ micro-batches nor does DDP divide by the DP size (gradients are summed over DP),
 ``finalize_model_grads`` divides all gradients by the token count summed over micro-batches and
 DP ranks. Metrics are sums reduced the same way, then divided by the global count.
 
+KL penalty (``grpo.kl_coef > 0``): the reference policy is a frozen copy of this rank's shard of
+the model as the trainer receives it (the initial policy), kept in the training layout (same TP/PP
+piece, same dtype), so it costs one more copy of the local parameters per rank (params / (TP x PP)
+x bytes per parameter; no gradients or optimizer state) and one forward-only pass per step. The
+step's ``ref_logprobs`` come from it unless the batch carries its own.
+
 Log-probabilities are computed vocab-parallel (megatron's ``vocab_parallel_cross_entropy``; the
 full vocabulary is never gathered), with Megatron's vocabulary padding masked out, on the last
 pipeline stage, and broadcast to every stage of the replica.
@@ -27,9 +33,10 @@ pipeline stage, and broadcast to every stage of the replica.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -68,7 +75,7 @@ class GRPOBatch:
     response_mask: torch.Tensor           # 1 on response tokens
     old_logprobs: torch.Tensor            # behaviour policy (the rollout engine), token-aligned
     advantages: torch.Tensor
-    ref_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None   # reference policy (KL); None: the trainer's own
 
     def __post_init__(self):
         shape = tuple(self.tokens.shape)
@@ -220,6 +227,20 @@ def _broadcast_from_last_stage(tensor: torch.Tensor | None, shape, device) -> to
     return tensor
 
 
+def frozen_copy(model):
+    """A copy of ``model``'s parameters and buffers that shares its process groups and config
+    (Megatron modules hold both), never trains and needs no gradients."""
+    shared = {id(model.config): model.config}
+    for module in model.modules():
+        for value in vars(module).values():
+            groups = [value] + list(getattr(value, "__dict__", {}).values())
+            if any(isinstance(group, dist.ProcessGroup) for group in groups):
+                shared[id(value)] = value       # a group, or a collection of groups
+    frozen = copy.deepcopy(model, memo=shared)
+    frozen.requires_grad_(False)
+    return frozen.eval()
+
+
 # ------------------------------------------------------------------------------------ trainer
 
 class MegatronTrainer:
@@ -242,11 +263,15 @@ class MegatronTrainer:
         # Token-mean over the global batch: see the module docstring. DDP reads it when built.
         mconfig.calculate_per_token_loss = True
         with megatron_cpu_mode():
+            # The KL reference: the initial policy, copied before DDP takes over the parameters.
+            self.reference = frozen_copy(model) if config.grpo.kl_coef > 0 else None
             wrapped = model
             if mconfig.bf16:   # bf16 weights, fp32 logits out and fp32 master weights in Adam
                 from megatron.core.transformer.module import Float16Module
 
                 wrapped = Float16Module(mconfig, model)
+                if self.reference is not None:
+                    self.reference = Float16Module(mconfig, self.reference)
             self.model = DistributedDataParallel(
                 config=mconfig, module=wrapped,
                 ddp_config=DistributedDataParallelConfig(
@@ -281,6 +306,16 @@ class MegatronTrainer:
                  micro_batch_size: int | None = None) -> torch.Tensor:
         """Token-aligned logprobs [B, S] of ``tokens`` under the current weights, on every rank of
         the replica, on the CPU (zero outside ``response_mask`` when given)."""
+        return self._logprobs(self.model, tokens, response_mask, micro_batch_size)
+
+    def reference_logprobs(self, tokens: torch.Tensor,
+                           response_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """As ``logprobs``, under the frozen reference policy (only with ``grpo.kl_coef > 0``)."""
+        if self.reference is None:
+            raise ValueError("no reference policy: the trainer keeps one only with kl_coef > 0")
+        return self._logprobs(self.reference, tokens, response_mask, None)
+
+    def _logprobs(self, model, tokens, response_mask, micro_batch_size) -> torch.Tensor:
         vocab = self.spec.vocab_size
         mbs = micro_batch_size or self.config.micro_batch_size
         if len(tokens) % mbs:
@@ -291,7 +326,7 @@ class MegatronTrainer:
         def on_logits(logits, rows):
             return token_logprobs(logits, on_device[rows], vocab)[0]
 
-        parts = megatron_forward(self.model, tokens, on_logits, micro_batch_size=mbs)
+        parts = megatron_forward(model, tokens, on_logits, micro_batch_size=mbs)
         result = _broadcast_from_last_stage(None if parts is None else torch.cat(parts).float(),
                                             tuple(tokens.shape), self.device).cpu()
         return result if response_mask is None else result * response_mask.cpu()
@@ -313,7 +348,8 @@ class MegatronTrainer:
             raise ValueError(f"this rank's batch of {size} sequences is not a multiple of "
                              f"micro_batch_size={mbs}")
         if self.config.grpo.kl_coef > 0 and batch.ref_logprobs is None:
-            raise ValueError("kl_coef > 0 but the batch has no ref_logprobs")
+            batch = replace(batch, ref_logprobs=self.reference_logprobs(batch.tokens,
+                                                                        batch.response_mask))
         batch = batch.to(self.device)
         micro_batches = iter([batch.rows(slice(i, i + mbs)) for i in range(0, size, mbs)])
         grpo, vocab = self.config.grpo, self.spec.vocab_size
@@ -390,5 +426,5 @@ class MegatronTrainer:
         return Resharder(self.module, self.spec, **kwargs)
 
 
-__all__ = ["GRPOBatch", "MegatronTrainer", "TrainerConfig", "gather_responses", "logprob_abs_diff",
-           "pack_sequences", "scatter_responses", "token_logprobs"]
+__all__ = ["GRPOBatch", "MegatronTrainer", "TrainerConfig", "frozen_copy", "gather_responses",
+           "logprob_abs_diff", "pack_sequences", "scatter_responses", "token_logprobs"]
