@@ -152,15 +152,15 @@ def load_checkpoint_into(rep, path: Path) -> int:
     rep.sampler.load_state_dict(state["sampler"])
     rep.weight_version = int(state["weight_version"])
     queue = {int(step): _drafts(rows) for step, rows in state["draft_queue"].items()}
-    rep.draft_queue = {step: {g: d for g, d in drafts.items() if g in rep.my_samples(step)}
+    rep.draft_queue = {step: {g: d for g, d in drafts.items() if g in rep.sampler.batch(step).rank_sample_range(rep.dp_rank)}
                        for step, drafts in queue.items()}
     rng = path / "rng" / f"rank{dist.get_rank()}.pt"
     if rng.is_file():   # absent when resuming with more ranks than the checkpoint had
         _set_rng_state(torch.load(rng, weights_only=False))
     # The engine still holds the initial weights: give it the restored ones.
-    if rep.is_leader:
-        rep.resharder.push(rep.engine)
-        rep.engine.weight_version = rep.weight_version
+    if rep.engine_shard is not None:
+        rep.resharder.push(rep.engine_shard)
+        rep.engine_shard.weight_version = rep.weight_version
     else:
         for _ in rep.resharder.named_tensors():
             pass

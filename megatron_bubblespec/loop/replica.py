@@ -2,8 +2,13 @@
 resharder, bubble drafter, task and lookahead sampler.
 
 Rollout is data-parallel over Megatron's DP groups: each TP x PP model replica owns one rollout
-engine, hosted on the replica's first rank (its *leader*); the other ranks of the replica take part
-in the collectives (verification, training, resharding) and receive the leader's results.
+engine, driven by the replica's first rank (its *leader*). With ``rollout.tensor_parallel=1`` the
+engine lives on the leader alone; with ``rollout.tensor_parallel`` = ``parallel.tensor`` it spans
+the replica's first-stage TP group (one vLLM shard per rank, vLLM's external launcher) and the
+leader drives it in lockstep (``loop.lockstep``). Every other rank takes part in the collectives
+(verification, training, resharding) and receives the leader's results. vLLM's process groups are
+created on every rank before any engine (``distributed.vllm_groups``), so building an engine on
+some ranks never waits for the others.
 """
 
 from __future__ import annotations
@@ -41,8 +46,9 @@ class Replica:
     trainer: object                    # train.trainer.MegatronTrainer
     verifier: object                   # spec.megatron_verifier.MegatronVerifier
     resharder: object                  # train.reshard.Resharder
-    engine: object | None              # rollout engine (leaders only)
+    engine: object | None              # the rollout engine the loop drives (leaders only)
     drafter: BubbleDrafter | None      # leaders only
+    engine_shard: object | None        # this rank's own engine (leaders; every rank of a TP engine)
     dp_rank: int
     dp_size: int
     is_leader: bool
@@ -56,10 +62,6 @@ class Replica:
     def beat(self, step: int, stage: str) -> None:
         if self.heartbeat is not None:
             self.heartbeat.beat(step, stage)
-
-    def my_samples(self, step: int) -> range:
-        """Global indices of this DP rank's samples at ``step``."""
-        return self.sampler.batch(step).rank_sample_range(self.dp_rank)
 
     @property
     def replica_group(self):
@@ -116,6 +118,8 @@ def build_task(cfg: Config, spec: ModelSpec) -> Task:
 
 
 def build_engine(cfg: Config, path: Path):
+    """This rank's engine (a shard of a tensor-parallel one when ``rollout.tensor_parallel`` > 1;
+    every rank of the engine's TP group calls this at the same time)."""
     r, s = cfg.rollout, cfg.spec
     continuation = dict(speculative_continuation=s.enabled and s.speculative_continuation,
                         spec_k=s.spec_k, spec_min_match=s.min_match, spec_max_match=s.max_match)
@@ -127,6 +131,9 @@ def build_engine(cfg: Config, path: Path):
                                **continuation)
     from megatron_bubblespec.rollout.vllm_engine import VLLMEngine
 
+    if r.tensor_parallel > 1:
+        continuation.update(tensor_parallel_size=r.tensor_parallel,
+                            distributed_executor_backend="external_launcher")
     if torch.cuda.is_available():   # a GPU share for weights + KV cache, chunked prefill
         engine = VLLMEngine(path, max_model_len=cfg.model.max_model_len, seed=cfg.run.seed,
                             dtype=cfg.model.dtype, gpu_memory_utilization=r.gpu_memory_utilization,
@@ -185,19 +192,31 @@ def build_replica(cfg: Config) -> Replica:
     trainer = MegatronTrainer(model, spec, TrainerConfig(
         lr=t.lr, weight_decay=t.weight_decay, clip_grad=t.clip_grad,
         micro_batch_size=t.micro_batch_size, use_distributed_optimizer=t.use_distributed_optimizer,
-        grpo=GRPOConfig(clip_eps_low=t.clip_eps, clip_eps_high=t.clip_eps, kl_coef=t.kl_coef,
-                        scale_by_std=t.normalize_advantage_std)))
+        grpo=GRPOConfig(clip_eps_low=t.clip_eps, clip_eps_high=t.clip_eps, kl_coef=t.kl_coef)))
     params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
     task = build_task(cfg, spec)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     sampler = LookaheadSampler(cfg.run.seed, task.size, cfg.rollout.prompts_per_step, dp_size,
                                cfg.rollout.samples_per_prompt)
-    is_leader = ps.get_tensor_model_parallel_rank() == 0 and ps.get_pipeline_model_parallel_rank() == 0
-    engine = build_engine(cfg, path) if is_leader else None
+    first_stage = ps.get_pipeline_model_parallel_rank() == 0
+    is_leader = first_stage and ps.get_tensor_model_parallel_rank() == 0
+    rollout_tp = cfg.rollout.tensor_parallel
+    if cfg.rollout.engine == "vllm":
+        from megatron_bubblespec.distributed.vllm_groups import init_vllm_parallel_state
+
+        init_vllm_parallel_state(rollout_tp, run_name=cfg.run.name)    # every rank, before engines
+    holds_shard = is_leader or (first_stage and rollout_tp > 1)
+    engine_shard = build_engine(cfg, path) if holds_shard else None
+    engine = engine_shard if is_leader else None
+    if is_leader and rollout_tp > 1:
+        from megatron_bubblespec.distributed.vllm_groups import engine_cpu_group
+        from megatron_bubblespec.loop.lockstep import LockstepEngine
+
+        engine = LockstepEngine(engine_shard, engine_cpu_group())
     drafter = None
     if is_leader:
         drafter = BubbleDrafter(default_store(), dp_size, engine, params,
                                 chunk=cfg.spec.draft_chunk, timeout_s=cfg.spec.barrier_timeout_s,
                                 namespace=f"bubblespec/{cfg.run.name}")
     return Replica(cfg, spec, path, params, task, sampler, trainer, MegatronVerifier(model, spec),
-                   trainer.resharder(), engine, drafter, dp_rank, dp_size, is_leader)
+                   trainer.resharder(), engine, drafter, engine_shard, dp_rank, dp_size, is_leader)

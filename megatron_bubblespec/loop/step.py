@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_bubblespec.loop.lockstep import LockstepEngine, follow
 from megatron_bubblespec.loop.replica import Replica
 from megatron_bubblespec.metrics import decode_steps_plain
-from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
 from megatron_bubblespec.sampling import sample_key
+from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
 from megatron_bubblespec.spec.drafts import Draft, exchange, select_drafts
 from megatron_bubblespec.train.grpo import group_advantages
 from megatron_bubblespec.train.trainer import GRPOBatch, gather_responses, logprob_abs_diff
@@ -92,9 +93,10 @@ def with_draft_pools(requests, sample_range, slots, pending: dict[int, Draft]):
     return requests
 
 
-def _check_engine_version(rep: Replica) -> None:
-    if rep.engine.weight_version != rep.weight_version:
-        raise RuntimeError(f"rollout engine holds weight version {rep.engine.weight_version}, the "
+def _check_engine_version(rep: Replica, engine=None) -> None:
+    engine = engine or rep.engine
+    if engine.weight_version != rep.weight_version:
+        raise RuntimeError(f"rollout engine holds weight version {engine.weight_version}, the "
                            f"trainer {rep.weight_version}: its tokens would be off-policy (a "
                            "reshard was missed or failed)")
 
@@ -208,15 +210,15 @@ def learn(rep: Replica, prompts: list[list[int]], results: list[RolloutResult],
 
 def reshard(rep: Replica) -> dict:
     """Stage 6: Megatron shards -> full HF tensors -> the engine; weight version t -> t+1."""
-    if rep.is_leader:
-        stats = rep.resharder.push(rep.engine)
+    if rep.engine_shard is not None:   # every rank of a tensor-parallel engine loads its shard
+        stats = rep.resharder.push(rep.engine_shard)
     else:
         for _ in rep.resharder.named_tensors():
             pass
         stats = rep.resharder.last
     rep.weight_version += 1
-    if rep.is_leader:
-        _check_engine_version(rep)
+    if rep.engine_shard is not None:
+        _check_engine_version(rep, rep.engine_shard)
     return {"sync/reshard_s": stats.seconds, "sync/reshard_bytes": stats.bytes}
 
 
@@ -241,8 +243,15 @@ def run_step(rep: Replica, step: int) -> StepOutput:
         engine_steps = rep.engine.last_engine_steps
         rep.beat(step, "bubble")
         bubble = bubble_and_exchange(rep, step)                                         # 3-4
+        if isinstance(rep.engine, LockstepEngine):
+            rep.engine.release()
         shared = (results, rollout_s, engine_steps, bubble, rep.draft_queue)
     else:
+        if rep.engine_shard is not None:   # a shard of the leader's tensor-parallel engine
+            from megatron_bubblespec.distributed.vllm_groups import engine_cpu_group
+
+            group = engine_cpu_group()
+            follow(rep.engine_shard, dist.get_process_group_ranks(group)[0], group)
         shared = None
     results, rollout_s, engine_steps, bubble, rep.draft_queue = rep.share(shared)
     if cfg.spec.enabled and cfg.spec.draft_source == "previous_epoch":

@@ -179,8 +179,8 @@ def _shutdown(replica) -> None:
     import torch.distributed as dist
 
     dist.barrier()  # nobody is inside a collective any more
-    engine = replica.engine
-    replica.engine = replica.drafter = None
+    engine = replica.engine_shard
+    replica.engine = replica.drafter = replica.engine_shard = None
     if engine is not None and hasattr(engine, "shutdown"):
         engine.shutdown()
     del engine

@@ -1,0 +1,96 @@
+"""Rollout tensor parallelism: the leader's engine calls -> broadcast over the engine's CPU group ->
+every rank's engine shard runs the same call, in the same order.
+
+An engine that spans a tensor-parallel group (vLLM with its external launcher) runs one scheduler
+per rank, and its forward passes all-reduce across the group: every rank must add the same
+requests and step and abort at the same moments, or the ranks deadlock or diverge. The loop and
+the bubble drafter stay single-minded: they drive a :class:`LockstepEngine` on the replica's leader,
+which forwards every state-changing call (``add``, ``step``, ``abort``) to the other ranks, which
+sit in :func:`follow` until the leader sends ``release``. The keyed sampler draws on the full
+vocabulary identically on every rank, so all shards produce the leader's tokens; the followers'
+results are dropped.
+
+Weight updates are not forwarded: the resharder gives every rank of the replica the full HF
+tensors, and each rank loads them into its own shard (vLLM slices them).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch.distributed as dist
+
+from megatron_bubblespec.rollout.base import RolloutEngine
+from megatron_bubblespec.sampling import SamplingParams
+from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
+
+_RELEASE = "release"
+
+
+def _broadcast(command, src: int, group):
+    box = [command]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+class LockstepEngine(RolloutEngine):
+    """The leader's view of a tensor-parallel engine: its own shard, mirrored on the followers."""
+
+    def __init__(self, shard: RolloutEngine, group):
+        self.shard, self.group = shard, group
+        self.src = dist.get_rank()
+
+    @property
+    def weight_version(self) -> int:
+        return self.shard.weight_version
+
+    def _send(self, *command) -> None:
+        _broadcast(command, self.src, self.group)
+
+    def add(self, requests: Iterable[RolloutRequest], params: SamplingParams) -> None:
+        requests = list(requests)
+        self._send("add", requests, params)
+        self.shard.add(requests, params)
+
+    def step(self) -> list[RolloutResult]:
+        self._send("step")
+        return self.shard.step()
+
+    def abort(self, request_ids: Iterable[str] | None = None) -> list[RolloutResult]:
+        ids = None if request_ids is None else list(request_ids)
+        self._send("abort", ids)
+        return self.shard.abort(ids)
+
+    def has_unfinished(self) -> bool:
+        return self.shard.has_unfinished()
+
+    def update_weights(self, named_tensors) -> None:
+        raise RuntimeError("a tensor-parallel engine is updated shard by shard: every rank of the "
+                           "replica loads the full tensors into its own engine shard")
+
+    def release(self) -> None:
+        """Let the followers leave :func:`follow` (after the step's rollout and bubble)."""
+        self._send(_RELEASE)
+
+    def shutdown(self) -> None:
+        self.shard.shutdown()
+
+
+def follow(shard: RolloutEngine, leader: int, group) -> int:
+    """Run the leader's engine calls on this rank's shard until it releases us; returns the number
+    of engine steps taken (they must equal the leader's)."""
+    steps = 0
+    while True:
+        command = _broadcast(None, leader, group)
+        name = command[0]
+        if name == _RELEASE:
+            return steps
+        if name == "add":
+            shard.add(*command[1:])
+        elif name == "step":
+            shard.step()
+            steps += 1
+        elif name == "abort":
+            shard.abort(command[1])
+        else:
+            raise RuntimeError(f"unknown engine command {name!r} from rank {leader}")
