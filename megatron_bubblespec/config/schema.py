@@ -21,7 +21,8 @@ class RunConfig:
     checkpoint_every: int = 0       # steps; 0 = only at the end
     checkpoint_dir: str = ""        # default: <output_dir>/<name>/checkpoints
     keep_checkpoints: int = 2       # complete checkpoints kept (older ones are deleted)
-    stall_timeout_s: float = 0.0    # no-progress watchdog: abort when no stage ends for this long (0 = off)
+    stall_timeout_s: float = 1800.0 # no-progress watchdog: abort when no stage ends for this long (0 = off)
+    signal_grace_s: float = 30.0    # after SIGTERM/SIGINT, a rank stuck this long exits, naming its stage
 
 
 @dataclass
@@ -161,4 +162,5 @@ BOUNDS = {
     "spec.lenience": (lambda v: v >= 1, ">= 1"),
     "run.keep_checkpoints": (lambda v: v >= 1, ">= 1"),
     "run.stall_timeout_s": (lambda v: v >= 0, ">= 0 (0 = off)"),
+    "run.signal_grace_s": (lambda v: v > 0, "> 0"),
 }

@@ -4,8 +4,9 @@ The torchrun-style entry for laptops, CI and tests: every rank gets RANK / WORLD
 MASTER_ADDR / MASTER_PORT, runs ``fn(*args)`` and its return value comes back to the caller in
 rank order. A rank that raises ends the whole launch with that rank's traceback; a rank that exits
 or is killed ends it with ``RankFailure`` naming the rank (the other ranks are terminated at once,
-not left waiting in a collective). SIGUSR1 / SIGTERM sent to the launcher are forwarded to the
-ranks (preemption: they checkpoint and exit).
+not left waiting in a collective). SIGUSR1 / SIGTERM / SIGINT sent to the launcher are forwarded
+to the ranks (preemption: they checkpoint and exit; a rank stuck in a collective ends itself after
+its grace period, naming the stage).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
 
 class RankFailure(RuntimeError):

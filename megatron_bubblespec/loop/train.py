@@ -90,10 +90,10 @@ def train_rank(cfg: Config, return_weights: bool = False) -> dict | None:
     # vLLM reads its log level when first imported (in build_replica): keep the console for the
     # progress display unless the user asked for vLLM's own logs.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    flag = PreemptionFlag().install()
     out_dir = run_dir(cfg)
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
     heartbeat = Heartbeat(out_dir / "heartbeat", rank, cfg.run.stall_timeout_s)
+    flag = PreemptionFlag(cfg.run.signal_grace_s, where=heartbeat.describe).install()
     heartbeat.beat(-1, "build")
     replica = build_replica(cfg)
     replica.heartbeat = heartbeat
