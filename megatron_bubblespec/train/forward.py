@@ -1,8 +1,18 @@
-"""Token batch -> Megatron forward (any TP/PP, pipeline schedule, forward only) -> per-micro-batch results.
+"""Token batch -> Megatron forward (any TP/PP/CP, pipeline schedule, forward only) -> per-micro-batch results.
 
 The last pipeline stage sees each micro-batch's vocab-parallel logits [b, s, V_padded / TP] and
 applies ``on_logits`` to them (gather, log-probs, verification...); the other stages get None.
 All sequences of a call are right-padded to one length (the pipeline's p2p shapes are static).
+
+Context parallelism (CP > 1, Transformer Engine attention on CUDA): each CP rank feeds the model
+its share of every sequence, Megatron's load-balanced split (``context_parallel_split``: 2 x CP
+chunks, rank r holds chunks r and 2CP-1-r, the split Megatron's RoPE assumes), after right-padding
+the sequence to a multiple of 2 x CP (x TP with sequence parallelism). In this forward-only path
+the last stage gathers the logits back over the CP group (``context_parallel_gather``), so
+``on_logits`` sees whole sequences on every CP rank: the verifier's keyed rule and the logprobs
+run unchanged and identically on each CP rank (attention and activations are split, the logits of
+one micro-batch are whole, as without CP). Training splits its micro-batches the same way and
+keeps its loss local (the trainer's forward step).
 """
 
 from __future__ import annotations
@@ -12,6 +22,7 @@ from typing import Callable
 import torch
 
 from megatron_bubblespec.distributed.cpu_compat import megatron_cpu_mode
+from megatron_bubblespec.train.model import context_parallel_size
 
 
 def megatron_forward(model, tokens: torch.Tensor, on_logits: Callable[[torch.Tensor, slice], object],
@@ -27,14 +38,22 @@ def megatron_forward(model, tokens: torch.Tensor, on_logits: Callable[[torch.Ten
     if len({s.stop - s.start for s in slices}) != 1:
         raise ValueError(f"batch {batch} is not a multiple of micro_batch_size {mbs}")
     device = next(model.parameters()).device
+    split = context_parallel_size() > 1
+    if split:
+        tokens = pad_for_context_parallel(tokens, model_config(model).sequence_parallel)
+    padded_seq = tokens.shape[1]
     batches = iter([(tokens[s].to(device), s) for s in slices])
 
     def forward_step(data_iterator, model):
         mb_tokens, rows = next(data_iterator)
-        positions = torch.arange(seq, device=device).expand_as(mb_tokens)
+        positions = torch.arange(padded_seq, device=device).expand_as(mb_tokens)
+        if split:
+            mb_tokens, positions = context_parallel_split(mb_tokens, positions)
         logits = model(mb_tokens, positions, None)
 
         def collect(output, non_loss_data=False):
+            if split:
+                output = context_parallel_gather(output)[:, :seq]
             return on_logits(output, rows)
 
         return logits, collect
@@ -44,7 +63,7 @@ def megatron_forward(model, tokens: torch.Tensor, on_logits: Callable[[torch.Ten
         model.eval()
         out = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=batches, model=[model],
-            num_microbatches=len(slices), seq_length=seq, micro_batch_size=mbs,
+            num_microbatches=len(slices), seq_length=padded_seq, micro_batch_size=mbs,
             forward_only=True, collect_non_loss_data=True)
         model.train(was_training)
     return out if ps.is_pipeline_last_stage() else None
@@ -60,3 +79,52 @@ def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
     torch.distributed.all_gather(shards, logits.contiguous(),
                                  group=ps.get_tensor_model_parallel_group())
     return torch.cat(shards, dim=-1)
+
+
+# ---------------------------------------------------------------------- context parallelism
+
+def model_config(model):
+    """The TransformerConfig of a (possibly wrapped: DDP, Float16Module) Megatron model."""
+    while not hasattr(model, "config") and hasattr(model, "module"):
+        model = model.module
+    return model.config
+
+
+def pad_for_context_parallel(tokens: torch.Tensor, sequence_parallel: bool,
+                             pad_id: int = 0) -> torch.Tensor:
+    """Right-pad [B, S] so that S splits into 2 x CP chunks (of a multiple of TP tokens with
+    sequence parallelism). Causal attention keeps the padding out of every real position."""
+    from megatron.core import parallel_state as ps
+
+    multiple = 2 * context_parallel_size()
+    if sequence_parallel:
+        multiple *= ps.get_tensor_model_parallel_world_size()
+    extra = -tokens.shape[1] % multiple
+    return torch.nn.functional.pad(tokens, (0, extra), value=pad_id) if extra else tokens
+
+
+def context_parallel_split(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """[B, S, ...] tensors -> this CP rank's [B, S / CP, ...] share (Megatron's own split)."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    names = [f"t{i}" for i in range(len(tensors))]
+    local = get_batch_on_this_cp_rank(dict(zip(names, tensors)))
+    return tuple(local[name] for name in names)
+
+
+def context_parallel_gather(local: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``context_parallel_split`` along dim 1: every CP rank's share -> the whole
+    [B, S, ...] on every CP rank (no gradient: forward-only paths)."""
+    from megatron.core import parallel_state as ps
+
+    cp = context_parallel_size()
+    if cp == 1:
+        return local
+    group = ps.get_context_parallel_group()
+    shards = [torch.empty_like(local) for _ in range(cp)]
+    torch.distributed.all_gather(shards, local.contiguous(), group=group)
+    chunk = local.shape[1] // 2
+    pieces: list = [None] * (2 * cp)
+    for rank, shard in enumerate(shards):
+        pieces[rank], pieces[2 * cp - 1 - rank] = shard[:, :chunk], shard[:, chunk:]
+    return torch.cat(pieces, dim=1)

@@ -5,6 +5,10 @@ stores the weights), grouped-query attention, optional QKV bias, tied or untied 
 local (non-TE) layer spec on CPU; Transformer Engine's spec when TE is importable and a GPU exists.
 The vocabulary is padded to a multiple of ``vocab_multiple x TP`` as Megatron-LM does; padded
 logits are excluded by every sampler (``vocab_size`` argument of the keyed sampler).
+
+Context parallelism (CP from parallel_state, ``parallel.context``) needs Transformer Engine's
+attention on CUDA (its ring attention, ``cp_comm_type`` p2p by default); without them the model
+is refused with a message naming the setting. Inputs are split over CP by ``train.forward``.
 """
 
 from __future__ import annotations
@@ -29,6 +33,22 @@ def _transformer_engine_available() -> bool:
     return True
 
 
+def context_parallel_size() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_context_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+
+
+def check_context_parallel(cp: int, te_available: bool) -> None:
+    """Refuse CP > 1 where it cannot run (it needs Transformer Engine's attention on CUDA)."""
+    if cp > 1 and not te_available:
+        missing = ("a CUDA device" if not torch.cuda.is_available()
+                   else "Transformer Engine (pip install transformer-engine[pytorch])")
+        raise ValueError(f"parallel.context={cp}: context parallelism needs Transformer Engine's "
+                         f"attention on CUDA, and this process has no {missing}; set "
+                         "parallel.context=1")
+
+
 def transformer_config(spec: ModelSpec, *, params_dtype: torch.dtype = torch.float32,
                        **overrides):
     """The TransformerConfig of ``spec`` for this process (TP/PP sizes from parallel_state)."""
@@ -46,6 +66,9 @@ def transformer_config(spec: ModelSpec, *, params_dtype: torch.dtype = torch.flo
         params_dtype=params_dtype, pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
         **megatron_config_overrides())
+    fields.setdefault("context_parallel_size", context_parallel_size())
+    if fields["context_parallel_size"] > 1:
+        fields.setdefault("cp_comm_type", "p2p")
     fields.update(overrides)
     return TransformerConfig(**fields)
 
@@ -57,6 +80,8 @@ def build_gpt_model(spec: ModelSpec, *, params_dtype: torch.dtype = torch.float3
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt import gpt_layer_specs
 
+    check_context_parallel(config_overrides.get("context_parallel_size", context_parallel_size()),
+                           _transformer_engine_available())
     config = transformer_config(spec, params_dtype=params_dtype, **config_overrides)
     if _transformer_engine_available():
         layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
