@@ -184,6 +184,36 @@ def test_update_weights_refuses_while_requests_run(checkpoint):
         engine.update_weights([])
 
 
+@pytest.mark.parametrize("fault", ["missing", "unexpected", "repeated", "misshapen"])
+def test_update_weights_is_strict_and_all_or_nothing(checkpoint, perturbed, fault):
+    """A weight update that lacks a tensor, brings an unknown one, repeats one or changes a shape
+    is refused with the tensor's name, and the engine keeps sampling from its old weights (a
+    silently skipped tensor would leave a stale piece of the policy in the oracle)."""
+    params, prompts = SamplingParams(1.0), _prompts(2)
+    engine = ReferenceEngine(checkpoint)
+    before = engine.generate(_requests(prompts, max_new=8), params)
+    _, new = load_checkpoint(perturbed)
+    pairs = list(new.items())
+    victim = "model.layers.1.mlp.up_proj.weight"
+    if fault == "missing":
+        pairs = [(n, t) for n, t in pairs if n != victim]
+        error, name = KeyError, victim
+    elif fault == "unexpected":
+        pairs.append(("model.layers.9.mlp.up_proj.weight", new[victim]))
+        error, name = KeyError, "model.layers.9.mlp.up_proj.weight"
+    elif fault == "repeated":
+        pairs.append((victim, new[victim]))
+        error, name = KeyError, victim
+    else:
+        pairs = [(n, t[:-1] if n == victim else t) for n, t in pairs]
+        error, name = ValueError, victim
+    with pytest.raises(error, match=name.replace(".", r"\.")):
+        engine.update_weights(pairs)
+    assert engine.weight_version == 0
+    after = engine.generate(_requests(prompts, max_new=8), params)
+    assert [a.logprobs for a in after] == [b.logprobs for b in before]
+
+
 def test_float64_engine_agrees_with_float32(checkpoint):
     prompts, params = _prompts(4), SamplingParams(1.0)
     r32 = ReferenceEngine(checkpoint).generate(_requests(prompts), params)

@@ -368,3 +368,38 @@ def test_update_weights_of_a_tied_model_updates_the_lm_head(tmp_path):
     fresh = VLLMEngine(tmp_path / "new", max_model_len=MAX_MODEL_LEN).generate(request, PARAMS["T1"])[0]
     assert updated.token_ids == fresh.token_ids
     assert max_abs_diff(updated.logprobs, fresh.logprobs) <= LOGPROB_TOL_SAME
+
+
+def test_update_weights_streams_the_iterator(engine, checkpoint, prompts):
+    """update_weights hands the caller's iterator to vLLM instead of collecting the model first:
+    each tensor is consumed (and may be freed) before the next is asked for, so at most a layer's
+    worth of the caller's tensors is alive at any time. A dict of the whole model would keep
+    every one of them alive until the last had been yielded."""
+    import weakref
+
+    _, tensors = load_checkpoint(checkpoint)
+    names = list(tensors)
+    alive: list[weakref.ref] = []
+    most_alive = 0
+
+    def stream():
+        nonlocal most_alive
+        for name in names:
+            most_alive = max(most_alive, sum(r() is not None for r in alive))
+            tensor = tensors[name].clone()   # the caller's own copy, dropped after the yield
+            alive.append(weakref.ref(tensor))
+            yield name, tensor
+            del tensor
+
+    keys = keys_for(5, 2)
+    requests = lambda tag: [RolloutRequest(f"{tag}-{i}", p, keys[i], 8)   # noqa: E731
+                            for i, p in enumerate(prompts[:2])]
+    before = engine.generate(requests("s-before"), PARAMS["T1"])
+    engine.update_weights(stream())
+    per_layer = sum(n.startswith("model.layers.0.") for n in names)
+    assert len(alive) == len(names) and len(names) > 2 * per_layer
+    assert most_alive <= per_layer + 2, (most_alive, per_layer, len(names))
+    after = engine.generate(requests("s-after"), PARAMS["T1"])   # same weights: same run
+    for a, b in zip(before, after):
+        assert a.token_ids == b.token_ids
+        assert max_abs_diff(a.logprobs, b.logprobs) <= LOGPROB_TOL_SAME

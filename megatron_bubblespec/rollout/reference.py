@@ -110,12 +110,15 @@ class ReferenceEngine(RolloutEngine):
         return results
 
     def update_weights(self, named_tensors) -> None:
+        """Strict: a missing, unexpected, repeated or misshapen tensor is an error naming it, and
+        the engine keeps its weights."""
         if self._running:
             raise RuntimeError("update_weights while requests are running would mix two policies "
                                "in one response; abort or finish them first")
-        if self.previous_model is not None:
-            self.previous_model.load(self.model.weights.items())
+        current = self.model.weights
         self.model.load(named_tensors)
+        if self.previous_model is not None:
+            self.previous_model.load(current.items())
         self.weight_version += 1
 
     # ------------------------------------------------------------------ verification

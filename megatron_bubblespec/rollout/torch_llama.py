@@ -64,7 +64,7 @@ class TorchLlama:
         self.spec, self.dtype = spec, dtype
         self.max_model_len = max_model_len or spec.max_position_embeddings
         self.weights: dict[str, torch.Tensor] = {}
-        self.load(tensors.items(), strict=True)
+        self.load(tensors.items())
         self.cache = SlotKVCache(spec, self.max_model_len, dtype)
         self.inv_freq = 1.0 / (spec.rope_theta ** (
             torch.arange(0, spec.head_dim, 2, dtype=torch.float64) / spec.head_dim))
@@ -84,21 +84,34 @@ class TorchLlama:
                 names |= {p + f"self_attn.{n}_proj.bias" for n in "qkv"}
         return names
 
-    def load(self, named_tensors, strict: bool = False) -> None:
-        """Copy HF-layout tensors in (``strict``: every tensor of the architecture must come)."""
+    def load(self, named_tensors) -> None:
+        """Replace every weight with HF-layout tensors: all or nothing.
+
+        Every tensor of the architecture must come, each once and in its shape, and nothing else
+        (a tied ``lm_head.weight`` and rotary ``inv_freq`` buffers are ignored); otherwise a
+        ``KeyError`` / ``ValueError`` names the offending tensors and the old weights stay.
+        """
         expected = self.expected_names()
-        seen = set()
+        staged: dict[str, torch.Tensor] = {}
         for name, tensor in named_tensors:
             if name == "lm_head.weight" and self.spec.tie_word_embeddings:
                 continue
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
             if name not in expected:
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue
                 raise KeyError(f"unexpected tensor {name!r} for a {self.spec.arch} model")
-            self.weights[name] = tensor.detach().to(self.dtype).clone()
-            seen.add(name)
-        if strict and seen != expected:
-            raise KeyError(f"checkpoint is missing tensors: {sorted(expected - seen)[:5]}")
+            if name in staged:
+                raise KeyError(f"tensor {name!r} sent twice")
+            old = self.weights.get(name)
+            if old is not None and old.shape != tensor.shape:
+                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, the model's "
+                                 f"is {tuple(old.shape)}")
+            staged[name] = tensor.detach().to(self.dtype).clone()
+        missing = sorted(expected - set(staged))
+        if missing:
+            raise KeyError(f"missing tensors ({len(missing)}): {missing[:8]}"
+                           + (" ..." if len(missing) > 8 else ""))
+        self.weights = staged
 
     def _w(self, name: str) -> torch.Tensor:
         return self.weights[name]

@@ -22,7 +22,8 @@ Essentials:
   tokens, minus one (the prefill's first token).
 * EOS: ``stop_token_ids = request.eos_token_ids`` with ``ignore_eos=True``, so no tokenizer or
   generation-config EOS is used; ``max_tokens = max_new_tokens - len(prefix)``.
-* Weights: ``collective_rpc`` runs ``worker.reload_weights(weights_iterator=...)`` on every worker
+* Weights: ``collective_rpc`` streams the caller's (name, tensor) iterator into
+  ``worker.reload_weights(weights_iterator=...)`` on every worker
   (``model.load_weights`` fails on CPU, where weights are repacked after loading), then the prefix
   cache is ALWAYS reset (otherwise cached KV blocks of the old weights are reused).
 * Environment (set before vLLM is imported, never overriding what the user set): in-process engine
@@ -198,9 +199,12 @@ def keyed_logits_processor_class():
     return _PROCESSOR_CLASS
 
 
-def _reload_weights_on_worker(worker, state_dict: dict[str, torch.Tensor]) -> None:
-    """Runs on each vLLM worker (module level, so it pickles for multi-process executors)."""
-    worker.reload_weights(weights_iterator=iter(state_dict.items()))
+def _reload_weights_on_worker(worker, weights) -> None:
+    """Runs on each vLLM worker (module level, so it pickles for multi-process executors);
+    ``weights``: (name, tensor) pairs, an iterator in process, a list across processes, or a
+    name -> tensor mapping."""
+    pairs = weights.items() if isinstance(weights, dict) else weights
+    worker.reload_weights(weights_iterator=iter(pairs))
 
 
 def _pop_continuation_counts(worker, vllm_ids: list[str]) -> dict[str, tuple[int, int]]:
@@ -415,18 +419,43 @@ class VLLMEngine(RolloutEngine):
             core.shutdown()
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Stream (name, tensor) pairs into vLLM's in-place reload, one tensor at a time.
+
+        With in-process workers (the default, and ``external_launcher``) the iterator itself goes
+        to ``reload_weights``, so no more than the caller's current bucket is held at once. A
+        multi-process executor pickles its arguments: there the tensors cross as one list.
+        """
         if self._live:
             raise RuntimeError(f"update_weights with {len(self._live)} unfinished requests: "
                                "abort or finish them first")
-        state_dict = dict(named_tensors)
         hf_config = self.llm.llm_engine.model_config.hf_config
-        if getattr(hf_config, "tie_word_embeddings", False) and "model.embed_tokens.weight" in \
-                state_dict:
-            # vLLM's layer-wise reload loads the LM head as its own module: with tied embeddings
-            # and no lm_head tensor it keeps the OLD head ("ParallelLMHead: Failed to load
-            # weights"), so the engine would sample from a stale policy. Send the tie explicitly.
-            state_dict.setdefault("lm_head.weight", state_dict["model.embed_tokens.weight"])
-        self.llm.collective_rpc(_reload_weights_on_worker, args=(state_dict,))
+        weights = _with_tied_lm_head(named_tensors, getattr(hf_config, "tie_word_embeddings", False))
+        if not self._workers_in_process():
+            weights = list(weights)
+        self.llm.collective_rpc(_reload_weights_on_worker, args=(weights,))
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after the weight update")
         self.weight_version += 1
+
+    def _workers_in_process(self) -> bool:
+        core = getattr(self._engine.engine_core, "engine_core", None)   # in-process client only
+        executor = getattr(core, "model_executor", None)
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+        return isinstance(executor, UniProcExecutor)
+
+
+def _with_tied_lm_head(named_tensors: Iterable[tuple[str, torch.Tensor]], tied: bool):
+    """The pairs as they come, plus ``lm_head.weight`` = the embedding when the model ties them.
+
+    vLLM's layer-wise reload loads the LM head as its own module: with tied embeddings and no
+    lm_head tensor it keeps the OLD head ("ParallelLMHead: Failed to load weights"), so the engine
+    would sample from a stale policy. The tie is sent explicitly, right after the embedding.
+    """
+    sent_head = False
+    for name, tensor in named_tensors:
+        sent_head |= name == "lm_head.weight"
+        yield name, tensor
+        if tied and name == "model.embed_tokens.weight" and not sent_head:
+            sent_head = True
+            yield "lm_head.weight", tensor
