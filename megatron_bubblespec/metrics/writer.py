@@ -1,7 +1,8 @@
 """Metrics writer: step records -> run_dir/metrics.jsonl (one JSON line per step) + TensorBoard.
 
 The JSONL file is the source of truth: numbers only, one flushed line per step, NaN, infinities and
-None written as JSON null and read back as NaN. TensorBoard scalars (run_dir/tensorboard) are a view
+None written as JSON null (``to_json``, used for every JSON file the project writes) and read back
+as NaN. TensorBoard scalars (run_dir/tensorboard) are a view
 of the same records, written when torch's SummaryWriter can be imported.
 """
 
@@ -17,18 +18,33 @@ METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 
 
-def _number(key: str, value) -> int | float | None:
-    """A JSON-safe number for ``value``: int or finite float, None for missing / NaN / inf."""
-    if value is None:
-        return None
-    if hasattr(value, "item"):  # 0-d torch / numpy values
+def json_safe(value):
+    """``value`` with NaN / infinities as None and tensors / numpy scalars as Python numbers,
+    recursively through mappings, lists and tuples (what strict JSON can hold)."""
+    if isinstance(value, Mapping):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):  # 0-d torch / numpy
         value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def to_json(value, **dumps_options) -> str:
+    """Strict JSON text of ``value`` (``json_safe`` first): the one way this project writes
+    numbers that may be NaN or infinite (they become null, read back as NaN by ``read_metrics``)."""
+    return json.dumps(json_safe(value), allow_nan=False, **dumps_options)
+
+
+def _number(key: str, value) -> int | float | None:
+    """A metric's JSON value: int or finite float, None for missing / NaN / inf."""
+    value = json_safe(value)
     if isinstance(value, bool):
         return int(value)
-    if isinstance(value, int):
+    if value is None or isinstance(value, (int, float)):
         return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
     raise TypeError(f"metric {key!r} is {type(value).__name__} {value!r}; metrics must be numbers")
 
 
@@ -56,7 +72,7 @@ class MetricsWriter:
         if not isinstance(step, int) or isinstance(step, bool):
             raise ValueError(f"a step record needs an integer 'step', got {step!r}")
         clean = {key: _number(key, value) for key, value in record.items()}
-        self._file.write(json.dumps(clean, allow_nan=False) + "\n")
+        self._file.write(to_json(clean) + "\n")
         self._file.flush()
         if self._tb is not None:
             for key, value in clean.items():

@@ -3,7 +3,6 @@ simulate.json and simulate.png."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import Mapping, Sequence
@@ -12,8 +11,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from megatron_bubblespec.loop.bench import json_safe
 from megatron_bubblespec.metrics.formatting import number, percent
+from megatron_bubblespec.metrics.writer import to_json
 
 # (label, key, formatter) of the calibration check, in row order.
 CHECK_ROWS = (
@@ -171,7 +170,7 @@ def write(result: Mapping, out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "simulate.json", out / "simulate.md", out / "simulate.png"]
-    paths[0].write_text(json.dumps(json_safe(result), indent=1, allow_nan=False) + "\n")
+    paths[0].write_text(to_json(result, indent=1) + "\n")
     paths[1].write_text(markdown(result))
     plot(result, paths[2])
     return paths
