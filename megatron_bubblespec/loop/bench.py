@@ -6,7 +6,9 @@ prompts and sampling keys), trains each as its own run under ``out_dir`` (run na
 ``<run.name>-on`` and ``<run.name>-off``, BubbleSpec on first) and compares them:
 
 * cost, over the steps >= 1 (the first step has no drafts to verify):
-  ``decode_steps_ratio`` = sum on decode steps / sum off decode steps;
+  ``decode_steps_ratio`` = sum on decode steps / sum off decode steps (per request, the paper's
+  metric); ``engine_steps_ratio`` = sum on / sum off of the step's engine steps (per step the
+  slowest rank's: what its wall time follows, several tokens per request in a continuation step);
   ``rollout_time_ratio`` = on rollout time / off rollout time;
   ``throughput_ratio`` = off rollout time / on rollout time;
   ``throughput_ratio_with_verify`` = off rollout time / (on rollout time + on verify time), since
@@ -16,7 +18,9 @@ prompts and sampling keys), trains each as its own run under ``out_dir`` (run na
   ``bubble_ratio_off`` = idle share of the off run's rank rollout time (the bubble there is to use),
   ``bubble_ratio_on``, ``bubble_utilization`` = on drafting time / on idle time;
 * drafts, over all steps: ``accepted_prefix_mean`` (weighted by drafted samples), ``accept_rate``
-  (accepted / drafted tokens), ``drafted_tokens``, ``accepted_tokens``;
+  (accepted / drafted tokens), ``drafted_tokens``, ``accepted_tokens``; speculative continuation
+  (rollout proposals from the prompt's drafts): ``continuation_proposed_tokens``,
+  ``continuation_accepted_tokens``, ``continuation_accept_rate`` (accepted / proposed);
 * exactness: ``token_mismatch`` = response token positions that differ between the two runs over
   all steps and samples (a length difference counts its extra tokens, a sample missing from one run
   all of its tokens) and ``token_mismatch_samples`` = samples with any difference; both must be 0;
@@ -50,6 +54,7 @@ Record = Mapping[str, object]
 # (label, key in the result, formatter) of the summary table in bench.md, in row order.
 SUMMARY_ROWS = (
     ("decode steps on / off (steps >= 1)", "decode_steps_ratio", number),
+    ("engine steps on / off (steps >= 1)", "engine_steps_ratio", number),
     ("rollout time on / off (steps >= 1)", "rollout_time_ratio", number),
     ("throughput on vs off (off time / on time)", "throughput_ratio", number),
     ("throughput with verify (off / (on + verify))", "throughput_ratio_with_verify", number),
@@ -59,6 +64,8 @@ SUMMARY_ROWS = (
     ("verify time on (steps >= 1)", "verify_time_on_s", seconds),
     ("decode steps on (steps >= 1)", "decode_steps_on", count),
     ("decode steps off (steps >= 1)", "decode_steps_off", count),
+    ("engine steps on (steps >= 1)", "engine_steps_on", count),
+    ("engine steps off (steps >= 1)", "engine_steps_off", count),
     ("bubble ratio, off run", "bubble_ratio_off", percent),
     ("bubble ratio, on run", "bubble_ratio_on", percent),
     ("bubble utilization (drafting / idle), on run", "bubble_utilization", percent),
@@ -66,6 +73,9 @@ SUMMARY_ROWS = (
     ("accept rate (accepted / drafted tokens)", "accept_rate", percent),
     ("drafted tokens", "drafted_tokens", count),
     ("accepted tokens", "accepted_tokens", count),
+    ("continuation proposed tokens", "continuation_proposed_tokens", count),
+    ("continuation accepted tokens", "continuation_accepted_tokens", count),
+    ("continuation accept rate (accepted / proposed)", "continuation_accept_rate", percent),
     ("token mismatch on vs off (tokens)", "token_mismatch", count),
     ("token mismatch on vs off (samples)", "token_mismatch_samples", count),
     ("reward mean, on run", "reward_mean_on", number),
@@ -77,6 +87,7 @@ SUMMARY_ROWS = (
 # (header, metric, formatter) of the per-step table in bench.md; each shown for on and off.
 STEP_COLUMNS = (
     ("decode steps", "rollout/decode_steps", count),
+    ("engine steps", "rollout/engine_steps", count),
     ("rollout", "rollout/time_s", seconds),
     ("verify", "spec/verify_s", seconds),
     ("bubble", "bubble/ratio", percent),
@@ -117,6 +128,9 @@ def compare(on: Sequence[Record], off: Sequence[Record]) -> dict:
     on1 = [r for r in on if value(r, "step") >= 1]
     off1 = [r for r in off if value(r, "step") >= 1]
     dec_on, dec_off = total_of(on1, "rollout/decode_steps"), total_of(off1, "rollout/decode_steps")
+    eng_on, eng_off = total_of(on1, "rollout/engine_steps"), total_of(off1, "rollout/engine_steps")
+    proposed = total_of(on, "spec/continuation_proposed_tokens")
+    continued = total_of(on, "spec/continuation_accepted_tokens")
     t_on, t_off = total_of(on1, "rollout/time_s"), total_of(off1, "rollout/time_s")
     verify = total_of(on1, "spec/verify_s")
     verify_0 = 0.0 if math.isnan(verify) else verify
@@ -132,6 +146,9 @@ def compare(on: Sequence[Record], off: Sequence[Record]) -> dict:
         "decode_steps_on": dec_on,
         "decode_steps_off": dec_off,
         "decode_steps_ratio": ratio(dec_on, dec_off),
+        "engine_steps_on": eng_on,
+        "engine_steps_off": eng_off,
+        "engine_steps_ratio": ratio(eng_on, eng_off),
         "rollout_time_on_s": t_on,
         "rollout_time_off_s": t_off,
         "verify_time_on_s": verify,
@@ -147,6 +164,9 @@ def compare(on: Sequence[Record], off: Sequence[Record]) -> dict:
         "accept_rate": ratio(total_of(on, "spec/accepted_tokens"), total_of(on, "spec/drafted_tokens")),
         "drafted_tokens": total_of(on, "spec/drafted_tokens"),
         "accepted_tokens": total_of(on, "spec/accepted_tokens"),
+        "continuation_proposed_tokens": proposed,
+        "continuation_accepted_tokens": continued,
+        "continuation_accept_rate": ratio(continued, proposed),
         "reward_mean_on": mean_of(on, "train/reward_mean"),
         "reward_mean_off": mean_of(off, "train/reward_mean"),
         "lr": lrs[-1] if lrs else math.nan,

@@ -56,11 +56,13 @@ DERIVED = (
     "bubble/ratio",
     "bubble/utilization",
     "spec/accept_rate",
+    "spec/continuation_accept_rate",
     "spec/decode_steps_saved_frac",
+    "rollout/engine_steps_sum",
 )
-# Bubble metrics also kept per rank, as "rank{r}/bubble/...".
+# Also kept per rank, as "rank{r}/<key>".
 PER_RANK = ("bubble/idle_s", "bubble/drafting_s", "bubble/overshoot_s",
-            "bubble/ratio", "bubble/utilization")
+            "bubble/ratio", "bubble/utilization", "rollout/engine_steps")
 
 REPORTED = SUMMED + MAXED + MEANED + tuple(WEIGHTED) + SAME
 
@@ -88,7 +90,9 @@ def aggregate_step(step: int, rank_metrics: Sequence[Mapping[str, float | None]]
 
     * sums: ``SUMMED`` (decode steps, tokens, drafted / accepted counts, bubble seconds as
       rank-seconds, reshard bytes);
-    * max: ``MAXED`` (rollout/time_s, max_response_len, verify / reshard wall time, logprob gap);
+    * max: ``MAXED`` (rollout/time_s, max_response_len, engine steps (the straggler's: what the
+      step waits for), verify / reshard wall time, logprob gap); rollout/engine_steps_sum = the sum
+      of the ranks' engine steps (the compute spent);
     * mean: ``MEANED`` (losses, rewards, KLs, grad norm, lr);
     * spec/accepted_prefix_mean: mean weighted by each rank's spec/drafted_samples;
     * exact/weight_version: identical on every rank, else ValueError;
@@ -96,9 +100,12 @@ def aggregate_step(step: int, rank_metrics: Sequence[Mapping[str, float | None]]
     * bubble/ratio = sum idle_s / (n * T);
     * bubble/utilization = sum drafting_s / sum idle_s;
     * spec/accept_rate = sum accepted_tokens / sum drafted_tokens;
+    * spec/continuation_accept_rate = sum continuation_accepted_tokens / sum
+      continuation_proposed_tokens;
     * spec/decode_steps_saved_frac = 1 - sum decode_steps / sum decode_steps_plain, where
       decode_steps_plain is :func:`decode_steps_plain` of the step's responses;
-    * per rank r: rank{r}/bubble/{idle_s, drafting_s, overshoot_s} as reported,
+    * per rank r: rank{r}/bubble/{idle_s, drafting_s, overshoot_s} and rank{r}/rollout/engine_steps
+      as reported,
       rank{r}/bubble/ratio = idle_s / T and rank{r}/bubble/utilization = drafting_s / idle_s.
     """
     if not rank_metrics:
@@ -146,6 +153,12 @@ def aggregate_step(step: int, rank_metrics: Sequence[Mapping[str, float | None]]
         record["bubble/ratio"] = ratio(record["bubble/idle_s"], len(rank_metrics) * wall)
     if "bubble/idle_s" in record and "bubble/drafting_s" in record:
         record["bubble/utilization"] = ratio(record["bubble/drafting_s"], record["bubble/idle_s"])
+    if values := reported("rollout/engine_steps"):
+        record["rollout/engine_steps_sum"] = sum(values)
+    if "spec/continuation_proposed_tokens" in record and \
+            "spec/continuation_accepted_tokens" in record:
+        record["spec/continuation_accept_rate"] = ratio(
+            record["spec/continuation_accepted_tokens"], record["spec/continuation_proposed_tokens"])
     if "spec/drafted_tokens" in record and "spec/accepted_tokens" in record:
         record["spec/accept_rate"] = ratio(record["spec/accepted_tokens"],
                                            record["spec/drafted_tokens"])
@@ -162,6 +175,7 @@ def aggregate_step(step: int, rank_metrics: Sequence[Mapping[str, float | None]]
             "bubble/ratio": ratio(idle, wall) if idle is not None else None,
             "bubble/utilization": (ratio(drafting, idle)
                                    if idle is not None and drafting is not None else None),
+            "rollout/engine_steps": metrics.get("rollout/engine_steps"),
         }
         for key in PER_RANK:
             if per_rank[key] is not None:
