@@ -1,9 +1,20 @@
 #!/usr/bin/env bash
 # One-GPU check of the CUDA code paths in about five minutes: environment, `nvidia-smi -L`,
 # `bubblespec info`, the tests marked `gpu` (keyed sampler on CUDA, Megatron verifier over NCCL,
-# bfloat16 numerics), a short engine benchmark, and a summary table printed last.
+# bfloat16 numerics), one whole BubbleSpec step per dtype (tests/test_gpu_step.py: verification,
+# vLLM rollout with speculative continuation, GRPO step in float32 and bfloat16, reshard, the
+# on-policy check, and spec-vs-plain target logits per key and position), a short engine
+# benchmark, and a summary table printed last.
 #
 #   scripts/gpu_check.sh              (from anywhere; it runs in the repository root)
+#   scripts/gpu_check.sh --dry-run    installs and runs nothing: which interpreter, the exact
+#                                     commands and time limits of every stage, the gpu tests as
+#                                     collected and why each would be skipped here
+#   scripts/gpu_check.sh --help
+#
+# vLLM does not fit on every test machine (no package index, a 336 MB wheel): without an
+# importable vllm, the step runs with the reference engine and the summary says vLLM was skipped
+# and why; everything else still runs.
 #
 # Interpreter, the first that works:
 #   BUBBLESPEC_PYTHON=/path/to/python   used as it is, nothing installed
@@ -26,6 +37,15 @@
 # Exit status: 0 when every stage passed, 1 otherwise.
 
 set -uo pipefail
+
+DRY_RUN=0
+for arg in "$@"; do
+    case "$arg" in
+        --dry-run|-n) DRY_RUN=1 ;;
+        --help|-h) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        *) echo "gpu_check.sh: unknown argument '$arg' (use --dry-run or --help)" >&2; exit 2 ;;
+    esac
+done
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT" || exit 1
@@ -62,10 +82,91 @@ budget() {
     echo "$left"
 }
 
+# ------------------------------------------------------------------------------ stages
+
+# The commands of the stages, as run (and as --dry-run prints them); PY is set by then.
+STEP_TEST=tests/test_gpu_step.py
+info_cmd() { CMD=("$PY" -m megatron_bubblespec.cli info); }
+tests_cmd() {
+    CMD=("$PY" -m pytest -m gpu -q tests/ --ignore="$STEP_TEST" -p no:cacheprovider
+         --continue-on-collection-errors --junitxml="$OUT/pytest-gpu.xml")
+}
+step_cmd() { CMD=("$PY" -m pytest -m gpu -q -s "$STEP_TEST" -p no:cacheprovider); }
+bench_cmd() {  # engine
+    CMD=("$PY" -m megatron_bubblespec.cli bench-engine --engine "$1" --model tiny
+         --batch-sizes 1,8 --prompt-len 64 --new-tokens 32 --repeats 3 --out "$OUT/bench-$1.json")
+}
+vllm_status() {  # "ok <version>" or the reason vLLM cannot run here
+    "$PY" - <<'PY' 2>/dev/null || echo "the interpreter does not run"
+import sys
+try:
+    import torch
+    import vllm
+except Exception as err:            # ImportError, or a broken CUDA build
+    print(f"not importable: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
+    sys.exit(0)
+print(f"ok {vllm.__version__}" if torch.cuda.is_available() else
+      f"importable ({vllm.__version__}) but torch sees no CUDA device")
+PY
+}
+
+dry_run() {
+    PY=${BUBBLESPEC_PYTHON:-}
+    if [[ -n $PY ]]; then
+        echo "interpreter: BUBBLESPEC_PYTHON=$PY, used as it is"
+    else
+        PY=$(cuda_venv_python)
+        [[ -n $PY ]] && echo "interpreter: $PY (its torch sees CUDA); missing requirements" \
+            "would be installed"
+    fi
+    if [[ -z $PY ]]; then
+        if torch_cuda "${PYTHON:-python3}"; then
+            echo "interpreter: would create .cache/gpu-venv from ${PYTHON:-python3} (CUDA torch," \
+                 "--system-site-packages) and install the missing requirements" \
+                 "${WHEELHOUSE:+from $WHEELHOUSE only}"
+        else
+            echo "interpreter: no CUDA torch here; the real run would fall back to .venv or install" \
+                 ".[gpu,test] into .cache/gpu-venv"
+        fi
+        PY=$ROOT/.venv/bin/python
+        [[ -x $PY ]] || PY=${PYTHON:-python3}
+        echo "  (this dry run collects with $PY)"
+    fi
+    local budget_s=${GPU_CHECK_BUDGET_S:-290} engine=reference vllm
+    vllm=$(vllm_status)
+    [[ $vllm == ok* ]] && engine=vllm
+    echo
+    echo "stages, each under 'timeout' (seconds at most; all within GPU_CHECK_BUDGET_S=$budget_s):"
+    printf '  %-12s %4s  %s\n' nvidia-smi 20 "nvidia-smi -L"
+    info_cmd; printf '  %-12s %4s  %s\n' info 45 "${CMD[*]}"
+    tests_cmd; printf '  %-12s %4s  %s\n' "gpu tests" 180 "${CMD[*]}"
+    step_cmd; printf '  %-12s %4s  %s\n' "step" 120 "${CMD[*]}"
+    bench_cmd "$engine"; printf '  %-12s %4s  %s\n' benchmark 120 "${CMD[*]}"
+    echo "  vLLM: $vllm${engine:+ -> step and benchmark use the $engine engine}"
+    echo
+    echo "the gpu tests as collected here, and why each is skipped on this machine:"
+    "$PY" -m pytest -m gpu -v -rs tests/ -p no:cacheprovider --continue-on-collection-errors \
+        2>&1 | grep -E '(::| SKIPPED|^SKIPPED|^ERROR|^E  |[0-9]+ (passed|skipped|deselected|error))' \
+        | tail -60
+    local rc=${PIPESTATUS[0]}
+    ((rc == 0 || rc == 5)) || echo "pytest exit $rc: the real run would report these errors"
+    return $((rc == 0 || rc == 5 ? 0 : 1))
+}
+
 # ------------------------------------------------------------------------------ environment
 
 torch_cuda() {  # exit 0 when $1 imports a torch that sees a CUDA device
     "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1
+}
+
+cuda_venv_python() {  # the first of .venv, .cache/gpu-venv whose torch sees a CUDA device
+    local dir
+    for dir in .venv .cache/gpu-venv; do
+        if [[ -x $dir/bin/python ]] && torch_cuda "$dir/bin/python"; then
+            echo "$ROOT/$dir/bin/python"
+            return
+        fi
+    done
 }
 
 has_torch() {
@@ -156,13 +257,11 @@ choose_python() {  # sets PY; prints what it did
         echo "using BUBBLESPEC_PYTHON=$PY as it is"
         return 0
     fi
-    for dir in .venv .cache/gpu-venv; do
-        if [[ -x $dir/bin/python ]] && torch_cuda "$dir/bin/python"; then
-            PY=$ROOT/$dir/bin/python
-            install_missing "$PY"
-            return
-        fi
-    done
+    PY=$(cuda_venv_python)
+    if [[ -n $PY ]]; then
+        install_missing "$PY"
+        return
+    fi
     dir=.cache/gpu-venv
     if torch_cuda "$base"; then
         make_venv "$dir" "$base" --system-site-packages || { PY=$base; return 1; }
@@ -191,6 +290,11 @@ choose_python() {  # sets PY; prints what it did
     torch_cuda "$PY" || { echo "the installed torch does not see a CUDA device"; return 1; }
 }
 
+if ((DRY_RUN)); then
+    dry_run
+    exit $?
+fi
+
 say "environment"
 t0=$(date +%s)
 PY=python3
@@ -214,7 +318,8 @@ fi
 
 say "bubblespec info"
 t0=$(date +%s)
-if timeout "$(budget 45 220)" "$PY" -m megatron_bubblespec.cli info | tee "$OUT/info.log"; then
+info_cmd
+if timeout "$(budget 45 220)" "${CMD[@]}" | tee "$OUT/info.log"; then
     record info ok $(($(date +%s) - t0)) "$(awk '$1 ~ /^(megatron-core|vllm|transformer-engine)$/ {
         v = ($2 == "not") ? "-" : $2; printf "%s%s %s", sep, $1, v; sep = ", " }' "$OUT/info.log")"
 else
@@ -229,8 +334,8 @@ junit=$OUT/pytest-gpu.xml
 rm -f "$junit"
 # --continue-on-collection-errors: a test module whose optional dependency is missing on this
 # machine must not stop the gpu tests from running.
-timeout -k 10 "$(budget 180 50)" "$PY" -m pytest -m gpu -q tests/ -p no:cacheprovider \
-    --continue-on-collection-errors --junitxml="$junit" 2>&1 | tee "$OUT/pytest-gpu.log"
+tests_cmd
+timeout -k 10 "$(budget 180 170)" "${CMD[@]}" 2>&1 | tee "$OUT/pytest-gpu.log"
 test_rc=${PIPESTATUS[0]}
 read -r passed failed errors skipped < <("$PY" - "$junit" <<'PY' 2>/dev/null
 import sys
@@ -258,6 +363,33 @@ else
     record "gpu tests" ok $(($(date +%s) - t0)) "$counts"
 fi
 
+# ------------------------------------------------------------------------------ one whole step
+
+say "vLLM"
+vllm=$(vllm_status)
+echo "vllm: $vllm"
+if [[ $vllm == ok* ]]; then
+    record vllm ok 0 "vllm ${vllm#ok }"
+else
+    record vllm skipped 0 "$vllm; the step uses the reference engine"
+fi
+
+say "one BubbleSpec step per dtype ($STEP_TEST)"
+t0=$(date +%s)
+step_cmd
+timeout -k 10 "$(budget 120 50)" "${CMD[@]}" 2>&1 | tee "$OUT/step.log"
+step_rc=${PIPESTATUS[0]}
+step_tail=$(tail -1 "$OUT/step.log")
+if ((step_rc == 124 || step_rc == 137)); then
+    record step TIMEOUT $(($(date +%s) - t0)) "see $OUT/step.log"
+elif ((step_rc != 0)); then
+    record step FAILED $(($(date +%s) - t0)) "$step_tail"
+elif [[ $step_tail != *passed* ]]; then   # all skipped: torch saw no CUDA device
+    record step NONE-RAN $(($(date +%s) - t0)) "$step_tail"
+else
+    record step ok $(($(date +%s) - t0)) "$step_tail"
+fi
+
 # ------------------------------------------------------------------------------ benchmark
 
 engines=(reference)
@@ -271,9 +403,9 @@ for engine in "${engines[@]}"; do
     say "bubblespec bench-engine --engine $engine"
     json=$OUT/bench-$engine.json
     rm -f "$json"
-    if timeout -k 10 "$(budget 120 10)" "$PY" -m megatron_bubblespec.cli bench-engine \
-        --engine "$engine" --model tiny --batch-sizes 1,8 --prompt-len 64 --new-tokens 32 \
-        --repeats 3 --out "$json" 2>&1 | tee "$OUT/bench-$engine.log" && [[ -s $json ]]; then
+    bench_cmd "$engine"
+    if timeout -k 10 "$(budget 120 10)" "${CMD[@]}" 2>&1 | tee "$OUT/bench-$engine.log" &&
+        [[ -s $json ]]; then
         bench_detail=$("$PY" - "$json" <<'PY' 2>/dev/null
 import json
 import sys
@@ -315,5 +447,29 @@ for i in "${!NAMES[@]}"; do
     printf '%-12s %-8s %7s  %s\n' "${NAMES[$i]}" "${RESULTS[$i]}" "${SECONDS_TAKEN[$i]}" "${DETAILS[$i]}"
 done
 [[ -n $bf16 ]] && printf '%-12s %-8s %7s  %s\n' numerics "" "" "$bf16"
+"$PY" - "$BUBBLESPEC_GPU_METRICS" <<'PY' 2>/dev/null
+import json
+import sys
+
+rows = [json.loads(line) for line in open(sys.argv[1])]
+steps = [m for m in rows if m["check"].startswith("step_")]
+logits = {m["check"].removeprefix("target_logits_"): m for m in rows
+          if m["check"].startswith("target_logits_")}
+if steps:
+    print(f"\n{'step':9} {'engine':16} {'verify_s':>8} {'accepted':>8} {'spec!=plain':>11} "
+          f"{'gap max':>9} {'gap mean':>9} {'after max':>9}  on-policy check")
+for m in steps:
+    print(f"{m['dtype']:9} {m['engine']:16} {m['verify_s']:8.2f} "
+          f"{m['accepted_tokens']:>4}/{m['drafted_tokens']:<4}"
+          f"{m['spec_vs_plain_mismatched_samples']:>5}/{m['samples']:<5} "
+          f"{m['gap_before_max']:9.2e} {m['gap_before_mean']:9.2e} {m['gap_after_max']:9.2e}  "
+          f"{m['on_policy_check']}")
+if logits:
+    print(f"\n{'target logits, verifier vs plain context':42} {'positions':>9} {'max |d|':>9} "
+          f"{'draw flips':>10} {'near ties':>9}")
+for dtype, m in logits.items():
+    print(f"{dtype + ' (' + m['engine'] + ')':42} {m['positions']:>9} "
+          f"{m['max_logit_abs_diff']:9.2e} {m['draw_flips']:>10} {m['near_ties']:>9}")
+PY
 printf '%-12s %-8s %7s  %s\n' total "" "$total" "wall time (limit ${GPU_CHECK_BUDGET_S:-290} s)"
 exit "$FAILED"

@@ -37,7 +37,7 @@ from megatron_bubblespec.sampling import (
     sample_key,
     uniform_noise,
 )
-from megatron_bubblespec.spec.megatron_verifier import MegatronVerifier, settle_eos
+from megatron_bubblespec.spec.megatron_verifier import MegatronVerifier
 from megatron_bubblespec.spec.verify import verify_keyed
 from megatron_bubblespec.tokens import pad_token_rows
 from megatron_bubblespec.train import model as model_module
@@ -217,9 +217,8 @@ def _keyed_from_logits(target, requests, drafts, params):
     draft_tokens, draft_lens = pad_token_rows(drafts, width=target.shape[1] - 1)
     result = verify_keyed(target, draft_tokens, draft_lens, torch.tensor([r.key for r in requests]),
                           torch.tensor([len(r.response_prefix) for r in requests]), params,
-                          vocab_size=VOCAB)
-    return list(settle_eos(result.accepted.tolist(), result.next_token.tolist(), drafts,
-                           [frozenset(r.eos_token_ids) for r in requests]))
+                          [r.eos_token_ids for r in requests], vocab_size=VOCAB)
+    return _as_tuple(result)
 
 
 def test_megatron_verifier_over_nccl_equals_reference_engine(checkpoints, cases, gpu_run):
@@ -256,7 +255,7 @@ def test_identical_logits_give_identical_draws_on_cuda_and_cpu(cases, gpu_run, d
         assert torch.equal(cpu, draws), name
         # The verifier's own forward ran on the same padded batch: a deterministic forward gives
         # the same logits, so the keyed rule on the CPU reproduces its result.
-        assert _keyed_from_logits(target, requests, drafts, params) == list(run["verification"]), \
+        assert _keyed_from_logits(target, requests, drafts, params) == run["verification"], \
             f"{dtype_name}/{name}: the verifier and a second forward of the same batch disagree"
 
 
