@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 
@@ -28,13 +29,22 @@ def cmd_info(_args) -> int:
 def cmd_train(args) -> int:
     """Train with GRPO (BubbleSpec on unless spec.enabled=false); launches the ranks itself.
     Exit codes: 0 done, 1 a rank failed, 2 bad config or inputs, 75 preempted (checkpoint
-    written; resume with run.resume=auto)."""
+    written; resume with run.resume=auto). Libraries' known-harmless warnings and their logs go
+    to <run dir>/logs/ unless --verbose."""
+    from megatron_bubblespec import logs
+
+    if args.verbose:
+        os.environ[logs.VERBOSE_ENV] = "1"
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    logs.quiet_native_warnings()         # before torch is imported here or in the ranks
     from megatron_bubblespec.config import ConfigError, load_config
     from megatron_bubblespec.distributed.world import detect_world
+    from megatron_bubblespec.loop.train import run_dir
     from megatron_bubblespec.preflight import check_world, preflight
 
     try:
         cfg = load_config(args.config, args.overrides)
+        logs.route_third_party_output(run_dir(cfg))
         world = detect_world()
         if world.launcher != "single":      # torchrun / srun started the ranks: is it our layout?
             check_world(world.world_size, cfg, world.launcher)
@@ -60,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help=cmd_train.__doc__)
     train.add_argument("--config", required=True, help="YAML config (see configs/)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. spec.enabled=false")
+    train.add_argument("--verbose", action="store_true",
+                       help="show every library's warnings and logs on the terminal (else the "
+                            "known-harmless ones go to <run dir>/logs/)")
     train.set_defaults(func=cmd_train)
     from megatron_bubblespec.loop.bench import add_bench_parser
     from megatron_bubblespec.rollout.bench import add_bench_engine_parser
