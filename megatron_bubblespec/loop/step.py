@@ -8,7 +8,6 @@ drafts are only proposals, whatever version made them.
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -21,10 +20,8 @@ from megatron_bubblespec.sampling import sample_key
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
 from megatron_bubblespec.spec.drafts import Draft, exchange, select_drafts
 from megatron_bubblespec.train.grpo import group_advantages
-from megatron_bubblespec.train.trainer import GRPOBatch, gather_responses, logprob_abs_diff
-
-
-GAP_WARNING = 1e-2  # max |engine - Megatron| token logprob that float differences explain
+from megatron_bubblespec.train.onpolicy import check_on_policy
+from megatron_bubblespec.train.trainer import GRPOBatch, gather_responses
 
 
 @dataclass
@@ -184,7 +181,7 @@ def remember_responses(rep: Replica, step: int, results, memory: dict) -> None:
         memory.update(part)
 
 
-def learn(rep: Replica, prompts: list[list[int]], results: list[RolloutResult],
+def learn(rep: Replica, step: int, prompts: list[list[int]], results: list[RolloutResult],
           rewards) -> tuple[dict, dict]:
     """Stage 5: group advantages -> GRPO step on Megatron; engine-vs-Megatron gap (from the
     step's own forward) and policy drift (one more forward with the new weights)."""
@@ -196,11 +193,8 @@ def learn(rep: Replica, prompts: list[list[int]], results: list[RolloutResult],
     trainer = rep.trainer
     metrics = trainer.train_step(batch)
     before = trainer.last_logprobs          # Megatron's logprobs of the rollouts, weights t
-    gap = logprob_abs_diff([r.logprobs for r in results], gather_responses(before, batch.response_mask))
-    if gap > GAP_WARNING:
-        warnings.warn(f"rollout engine and Megatron disagree on the rollout tokens' logprobs by "
-                      f"{gap:.3g} (> {GAP_WARNING}): the engine is not running the trainer's "
-                      "weights (a broken reshard?); rollouts may not be on-policy")
+    gap = check_on_policy([r.logprobs for r in results], gather_responses(before, batch.response_mask),
+                          rep.cfg.model.dtype, step=step, weight_version=rep.weight_version)
     after = trainer.logprobs(batch.tokens, batch.response_mask)
     mask, delta = batch.response_mask, after - before
     # k3 estimator of KL(pi_t || pi_t+1) on tokens drawn from pi_t: non-negative, unbiased.
@@ -260,7 +254,7 @@ def run_step(rep: Replica, step: int) -> StepOutput:
     rep.beat(step, "learn")
     prompts = [r.prompt_token_ids for r in requests]
     rewards = [rep.task.reward(rep.task.prompt(pi), r.token_ids) for (pi, _), r in zip(slots, results)]
-    sync_metrics, train_metrics = learn(rep, prompts, results, [x.total for x in rewards])  # 5
+    sync_metrics, train_metrics = learn(rep, step, prompts, results, [x.total for x in rewards])  # 5
     rep.beat(step, "reshard")
     sync_metrics.update(reshard(rep))                                                    # 6
 

@@ -67,11 +67,12 @@ class Resharder:
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.pp_ranks = dist.get_process_group_ranks(self.pp_group) if dist.is_initialized() else [0]
         self.params = dict(model.named_parameters())
+        self.manifest = _local_meta(model, self.stage, self.tp_size)
         self.metas = self._agreed_metadata()
         self.last = ReshardStats()
 
     def _agreed_metadata(self) -> list[TensorMeta]:
-        mine = _local_meta(self.model, self.stage, self.tp_size)
+        mine = self.manifest
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return mine
         everyone: list = [None] * dist.get_world_size()
@@ -107,8 +108,26 @@ class Resharder:
             dist.broadcast(tensor, src=self.pp_ranks[meta.stage], group=self.pp_group)
         return tensor
 
+    def check_manifest(self) -> None:
+        """The model's parameters still have the names, shapes and dtypes agreed by every rank
+        at start (so every rank still agrees); raises naming the first difference."""
+        now = _local_meta(self.model, self.stage, self.tp_size)
+        if now != self.manifest:
+            changed = next(((a, b) for a, b in zip(self.manifest, now) if a != b),
+                           (f"{len(self.manifest)} tensors", f"{len(now)} tensors"))
+            raise RuntimeError(f"the model's weights manifest changed since the resharder agreed "
+                               f"it with every rank: {changed[0]} is now {changed[1]}; a rank "
+                               "would send tensors the engine does not expect")
+        current = dict(self.model.named_parameters())
+        replaced = [name for name, param in self.params.items() if current.get(name) is not param]
+        if replaced:
+            raise RuntimeError(f"parameters {replaced[:3]} were replaced after the resharder "
+                               "started: it would send stale tensors; rebuild the resharder")
+
     def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Lists of (HF name, full tensor), each at most ``bucket_bytes`` (or one tensor)."""
+        """Lists of (HF name, full tensor), each at most ``bucket_bytes`` (or one tensor); the
+        weights manifest is checked first (``check_manifest``)."""
+        self.check_manifest()
         start, stats = time.perf_counter(), ReshardStats()
         bucket, size = [], 0
         with torch.no_grad():
