@@ -1,12 +1,16 @@
-"""scripts/slurm/train.sbatch on a real Slurm: munged + slurmctld + slurmd started here on one node
-(scripts/slurm/local_cluster.py, all state in a temporary directory, killed afterwards).
+"""scripts/slurm/train.sbatch on a real Slurm: munged + slurmctld + two slurmd started here
+(scripts/slurm/local_cluster.py, all state in a temporary directory, killed afterwards). The two
+nodes, bsnode1 and bsnode2, resolve to 127.0.0.2 and 127.0.0.3 (added to /etc/hosts when absent).
 
-Two jobs of configs/tiny.yaml, 1 node x 2 ranks, the same seed: a plain one that must complete,
-and one with a checkpoint every step that gets the batch script's preemption signal mid-run
-(``scancel --signal=USR1 --batch``, what ``#SBATCH --signal=B:USR1@...`` sends), stops at a
-checkpoint, is requeued by the script, resumes with run.resume=auto and must end with exactly the
-plain job's final weights. Then three quick ones: a config that does not fit the job fails before
-anything starts, the no-progress watchdog ends a job and leaves no process behind, and the
+Two jobs of configs/tiny.yaml, 1 node x 2 ranks, the same seed, one after the other: a plain one
+that must complete, and one with a checkpoint every step that gets the batch script's
+preemption signal mid-run (``scancel --signal=USR1 --batch``, what ``#SBATCH --signal=B:USR1@...``
+sends), stops at a checkpoint, is requeued by the script, resumes with run.resume=auto and must end
+with exactly the plain job's final weights. Then the same run on 2 nodes x 1 rank (``srun -N 2``,
+one torchrun per node, c10d rendezvous at the first node's name) must give the plain job's
+rollouts token for token, and a 2-node job whose second node is killed mid-run must fail at once
+with a message naming that node. Then three quick ones: a config that does not fit the job fails
+before anything starts, the no-progress watchdog ends a job and leaves no process behind, and the
 ablation array job finds and runs studies by index (``--dry-run``).
 
 Needs root and the Debian packages slurm-wlm + munge (installed with apt-get when missing); skips
@@ -55,7 +59,7 @@ def cluster(tmp_path_factory):
     reason = lc.ensure_installed(install=True)
     if reason:
         pytest.skip(f"no Slurm here: {reason}")
-    slurm = lc.LocalSlurm(tmp_path_factory.mktemp("slurm") / "cluster", nodes=1)
+    slurm = lc.LocalSlurm(tmp_path_factory.mktemp("slurm") / "cluster", nodes=2)
     try:
         slurm.start()
     except (lc.SlurmError, OSError, subprocess.SubprocessError) as err:
@@ -66,7 +70,8 @@ def cluster(tmp_path_factory):
 
 
 class Job:
-    def __init__(self, cluster, name: str, base: Path, overrides: list[str], **env_vars: str):
+    def __init__(self, cluster, name: str, base: Path, overrides: list[str], nodes: int = 1,
+                 after: int | None = None, **env_vars: str):
         self.cluster = cluster
         self.name = name
         self.run_dir = base / "runs" / name
@@ -77,14 +82,16 @@ class Job:
                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
                             "CONFIG", "OVERRIDES", "GPUS_PER_NODE", "NPROC", "RUN_DIR", "LOG_DIR",
                             "VENV", "REQUEUE", "RESUME", "EXTRA_TORCHRUN")}
-        env.update(CONFIG="configs/tiny.yaml", OVERRIDES=" ".join(overrides), NPROC="2",
+        env.update(CONFIG="configs/tiny.yaml", OVERRIDES=" ".join(overrides), NPROC=str(2 // nodes),
                    PYTHON=sys.executable, MASTER_PORT=str(_free_port()),
                    LOG_DIR=str(base / "logs" / name), WATCHDOG_S="900")
         env.update(env_vars)
         self.output_pattern = base / "logs" / f"{name}-%j.out"
         self.output_pattern.parent.mkdir(parents=True, exist_ok=True)
+        order = [f"--dependency=afterany:{after}"] if after else []
         self.id = cluster.sbatch(["--job-name", name, "--output", str(self.output_pattern),
-                                  str(SLURM_DIR / "train.sbatch")], env=env, cwd=ROOT)
+                                  f"--nodes={nodes}", *order, str(SLURM_DIR / "train.sbatch")],
+                                 env=env, cwd=ROOT)
         self.output = Path(str(self.output_pattern).replace("%j", str(self.id)))
 
     def log(self) -> str:
@@ -105,6 +112,10 @@ class Job:
         lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
         return [json.loads(line)["step"] for line in lines if line.strip()]
 
+    def rollouts(self) -> list[dict]:
+        lines = (self.run_dir / "rollouts.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+
     def final_weights(self) -> dict:
         from safetensors.torch import load_file
 
@@ -115,12 +126,13 @@ class Job:
 
 @pytest.fixture(scope="module")
 def jobs(cluster, tmp_path_factory):
-    """Both jobs are submitted at once; the node is exclusive, so the second starts when the
-    first ends."""
+    """All jobs are submitted at once; the others start after the plain one (so that the first
+    test's wait does not let the requeued one finish unobserved, and no two share the CPUs)."""
     base = tmp_path_factory.mktemp("jobs")
     plain = Job(cluster, "plain", base, [])
-    requeued = Job(cluster, "requeued", base, ["run.checkpoint_every=1"])
-    return {"plain": plain, "requeued": requeued}
+    requeued = Job(cluster, "requeued", base, ["run.checkpoint_every=1"], after=plain.id)
+    two_nodes = Job(cluster, "two-nodes", base, [], nodes=2, after=plain.id)
+    return {"plain": plain, "requeued": requeued, "two-nodes": two_nodes}
 
 
 def test_train_job_completes(jobs):
@@ -170,17 +182,58 @@ def test_requeued_job_resumes_to_the_same_weights(cluster, jobs):
                                    msg=lambda m, n=name: f"{n}: {m}")
 
 
-def _job_processes(job_id: int) -> list[int]:
-    marker = f"SLURM_JOB_ID={job_id}".encode()
+def test_two_node_job_gives_the_single_node_rollouts(jobs):
+    job = jobs["two-nodes"]
+    info = job.wait()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", job.diagnosis(info)
+    assert info["NodeList"] == "bsnode[1-2]", job.diagnosis(info)
+    log = job.log()
+    assert "2 node(s) x 1 rank(s) = 2 ranks" in log and "rendezvous bsnode1:" in log, \
+        job.diagnosis(info)
+    plain = jobs["plain"]
+    plain_info = plain.wait()
+    assert plain_info["JobState"] == "COMPLETED", plain.diagnosis(plain_info)
+    assert job.rollouts() == plain.rollouts() and len(job.rollouts()) == STEPS
+
+
+def _job_processes(job_id: int, node: str | None = None) -> list[int]:
+    """The live processes of a job (on one node: its SLURMD_NODENAME), Slurm's own aside."""
+    markers = [f"SLURM_JOB_ID={job_id}".encode()]
+    if node:
+        markers.append(f"SLURMD_NODENAME={node}".encode())
     pids = []
     for d in Path("/proc").iterdir():
         try:
-            if d.name.isdigit() and marker in (d / "environ").read_bytes().split(b"\0"):
-                if (d / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+            if d.name.isdigit() and all(m in (d / "environ").read_bytes().split(b"\0")
+                                        for m in markers):
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+                if fields[0] != "Z" and (d / "comm").read_text().strip() != "slurmstepd":
                     pids.append(int(d.name))
         except OSError:
             continue
     return pids
+
+
+def test_a_killed_node_ends_the_job_naming_it(cluster, jobs, tmp_path):
+    """Every process of the job on bsnode2 is SIGKILLed once step 0 is logged (what a node
+    crash leaves behind): the job must fail at once, not at the watchdog, and say which node."""
+    jobs["two-nodes"].wait()                  # both nodes free, and no CPU shared with it
+    job = Job(cluster, "node-lost", tmp_path, [], nodes=2)
+    info = job.wait(until=lambda _i: job.run_dir.joinpath("metrics.jsonl").is_file(), poll=0.2)
+    assert info["JobState"] == "RUNNING", job.diagnosis(info)
+    victims = _job_processes(job.id, "bsnode2")
+    assert victims, f"no processes of job {job.id} on bsnode2\n{job.diagnosis(info)}"
+    killed_at = time.monotonic()
+    for pid in victims:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+    info = job.wait(timeout=120)
+    assert info["JobState"] == "FAILED", job.diagnosis(info)
+    assert time.monotonic() - killed_at < 90, job.diagnosis(info)
+    assert "lost: bsnode2 (node 1)" in job.log(), job.diagnosis(info)
+    assert "lost: bsnode1" not in job.log(), job.diagnosis(info)
 
 
 def test_a_config_that_does_not_fit_the_job_fails_before_launching(cluster, tmp_path):

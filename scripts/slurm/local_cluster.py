@@ -15,6 +15,12 @@ The cluster is deliberately simple: no cgroups (``proctrack/linuxproc``, ``task/
 accounting database (use ``scontrol show job`` / ``squeue``, not ``sacct``), every node has all of
 this machine's CPUs (several emulated nodes share them), ``cred_expire=5`` so that a requeued job
 becomes eligible again after about 11 s instead of 2 minutes.
+
+Several nodes are ``bsnode1``, ``bsnode2``... at the loopback addresses 127.0.0.2, 127.0.0.3...
+(``NodeAddr``; the controller stays on 127.0.0.1), each slurmd on its own port. So that a job
+reaches its first node by name, as on a real cluster, the names are added to /etc/hosts when they
+do not resolve and the file is writable (one line each, left in place: they only name loopback
+addresses); otherwise jobs fall back to the addresses (``cluster.json`` says which).
 """
 
 from __future__ import annotations
@@ -86,6 +92,34 @@ def _resolves(host: str) -> bool:
         return False
 
 
+HOSTS_FILE = Path("/etc/hosts")
+
+
+def node_address(index: int) -> str:
+    """The loopback address of emulated node ``index`` (0-based) of a multi-node cluster."""
+    return f"127.0.0.{index + 2}"
+
+
+def ensure_host_names(names_to_addresses: dict[str, str], hosts: Path = HOSTS_FILE) -> bool:
+    """Make every name resolve to its address, appending ``address name`` lines to ``hosts``
+    for those that do not resolve yet; False when one resolves elsewhere or cannot be added."""
+    missing = {}
+    for name, address in names_to_addresses.items():
+        try:
+            if socket.gethostbyname(name) != address:
+                return False
+        except OSError:
+            missing[name] = address
+    if missing:
+        try:
+            with open(hosts, "a") as f:
+                f.writelines(f"{address} {name}  # local_cluster.py\n"
+                             for name, address in missing.items())
+        except OSError:
+            return False
+    return all(_resolves(name) for name in missing)
+
+
 def _mem_mb() -> int:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemTotal:"):
@@ -122,8 +156,11 @@ class LocalSlurm:
         self.ctld_host = host
         if nodes == 1:
             self.node_names = [host if _resolves(host) else "localhost"]
+            self.node_addrs = ["127.0.0.1"]
         else:
-            self.node_names = [f"node{i}" for i in range(1, nodes + 1)]
+            self.node_names = [f"bsnode{i}" for i in range(1, nodes + 1)]
+            self.node_addrs = [node_address(i) for i in range(nodes)]
+        self.names_resolve = nodes == 1
 
     # -- configuration ----------------------------------------------------------------------
     def _write_config(self) -> None:
@@ -182,8 +219,9 @@ class LocalSlurm:
             addr = "" if name == socket.gethostname().split(".")[0] else " NodeHostname=localhost"
             lines.append(f"NodeName={name} NodeAddr=127.0.0.1{addr} {node}")
         else:
-            for name, port in zip(self.node_names, node_ports):
-                lines.append(f"NodeName={name} NodeHostname=localhost NodeAddr=127.0.0.1 "
+            self.names_resolve = ensure_host_names(dict(zip(self.node_names, self.node_addrs)))
+            for name, addr, port in zip(self.node_names, self.node_addrs, node_ports):
+                lines.append(f"NodeName={name} NodeHostname=localhost NodeAddr={addr} "
                              f"Port={port} {node}")
         lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP "
                      "OverSubscribe=NO")
@@ -195,7 +233,9 @@ class LocalSlurm:
                                        "ConstrainDevices=no\n")
         for name in self.node_names:
             (r / "spool" / name).mkdir(exist_ok=True)
-        (r / "cluster.json").write_text(json.dumps({"nodes": self.node_names}))
+        (r / "cluster.json").write_text(json.dumps({"nodes": self.node_names,
+                                                    "addresses": self.node_addrs,
+                                                    "names_resolve": self.names_resolve}))
 
     # -- lifecycle --------------------------------------------------------------------------
     def _spawn(self, name: str, cmd: list[str]) -> None:

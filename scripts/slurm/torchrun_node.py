@@ -1,13 +1,25 @@
 #!/usr/bin/env python3
 """One node of a Slurm job: torchrun for this node's ranks, with preemption-aware signals and exit.
 
-    srun ... python scripts/slurm/torchrun_node.py [--status-file F] [--pid-file P] -- <torchrun args>
+    srun ... python scripts/slurm/torchrun_node.py [--status-file F] [--pid-file P]
+                                                   [--rdzv-host-node K] -- <torchrun args>
 
 In every argument ``%n`` becomes this node's index (SLURM_NODEID) and ``%N`` its Slurm node name
 (SLURMD_NODENAME), e.g. ``--log-dir=logs/node%n``. ``--pid-file`` records this process's pid: the
 batch script sends its stop signal there, so that it reaches the ranks (through the forwarding
 below) but not their helper processes (checkpoint writers, data loaders, engine processes), which
 a signal to the whole job step would kill.
+
+``--status-file`` reads ``running`` while this node's torchrun runs, ``signalled <SIG>`` once a
+stop signal reached this launcher (alive: a preemption, or srun ending the step after another
+node failed), and its exit code at the end. A node whose file still says ``running`` when the job
+step has ended was killed or lost: that is how the batch script names a dead node.
+
+``--rdzv-host-node K``: node K hosts the c10d rendezvous store (``--rdzv-conf=is_host=true``
+there, ``false`` elsewhere). torchrun guesses the host by comparing the endpoint's name with the
+machine's hostname and addresses, which fails where Slurm's node names are not the hostnames
+(aliases, FQDNs, several emulated nodes on one machine): no node hosts the store and every node
+waits for it until the rendezvous times out.
 
 Plain torchrun is almost right for Slurm, but not quite:
 - SIGUSR1 would kill the torchrun agent (it does not handle it), and on SIGTERM torchrun kills its
@@ -71,7 +83,8 @@ class _Forwarder:
     """Pass a stop signal on to each rank once, as soon as that rank handles it: a rank still
     importing (no handler yet) would be killed by it, so it gets the signal a little later."""
 
-    def __init__(self):
+    def __init__(self, status_file: str | None = None):
+        self.status_file = status_file
         self.pending: set[int] = set()
         self.delivered: set[tuple[int, int]] = set()
         self.lock = threading.Lock()
@@ -83,6 +96,8 @@ class _Forwarder:
               file=sys.stderr, flush=True)
         with self.lock:
             self.pending.add(signum)
+        if self.status_file and Path(self.status_file).read_text().strip() == "running":
+            _write_status(self.status_file, f"signalled {signal.Signals(signum).name}")
         if self.thread is None:
             self.thread = threading.Thread(target=self._run, name="signal-forwarder", daemon=True)
             self.thread.start()
@@ -145,14 +160,14 @@ def _let_checkpointed_ranks_finish() -> None:
     SubprocessContext._poll = _poll
 
 
-def _write_status(path: str | None, code: int) -> None:
+def _write_status(path: str | None, code: int | str) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(f"{code}\n")
 
 
 def main(argv: list[str]) -> int:
-    options = {"--status-file": None, "--pid-file": None}
+    options = {"--status-file": None, "--pid-file": None, "--rdzv-host-node": None}
     while argv and argv[0] in options:
         options[argv[0]], argv = argv[1], argv[2:]
     if argv[:1] == ["--"]:
@@ -164,7 +179,8 @@ def main(argv: list[str]) -> int:
 
     argv = [expand(a) for a in argv]
     status_file = expand(options["--status-file"]) if options["--status-file"] else None
-    forward = _Forwarder()
+    _write_status(status_file, "running")
+    forward = _Forwarder(status_file)
     signal.signal(signal.SIGUSR1, forward)
     signal.signal(signal.SIGTERM, forward)
     if options["--pid-file"]:  # where the batch script sends its stop signal
@@ -173,6 +189,9 @@ def main(argv: list[str]) -> int:
         pid_file.write_text(f"{os.getpid()}\n")
     # torchrun must not install its own SIGTERM handler over ours (it would kill the ranks).
     argv = ["--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT", *argv]
+    if options["--rdzv-host-node"] is not None:
+        hosts = "true" if options["--rdzv-host-node"] == node else "false"
+        argv = [f"--rdzv-conf=is_host={hosts}", *argv]   # a later --rdzv-conf still wins
 
     _let_checkpointed_ranks_finish()
     from torch.distributed.elastic.multiprocessing.api import SignalException
