@@ -90,16 +90,22 @@ def model_config(model):
     return model.config
 
 
-def pad_for_context_parallel(tokens: torch.Tensor, sequence_parallel: bool,
-                             pad_id: int = 0) -> torch.Tensor:
-    """Right-pad [B, S] so that S splits into 2 x CP chunks (of a multiple of TP tokens with
-    sequence parallelism). Causal attention keeps the padding out of every real position."""
+def context_parallel_length(seq_len: int, sequence_parallel: bool) -> int:
+    """The shortest length >= ``seq_len`` that splits into 2 x CP chunks (of a multiple of TP
+    tokens with sequence parallelism)."""
     from megatron.core import parallel_state as ps
 
     multiple = 2 * context_parallel_size()
     if sequence_parallel:
         multiple *= ps.get_tensor_model_parallel_world_size()
-    extra = -tokens.shape[1] % multiple
+    return seq_len + (-seq_len % multiple)
+
+
+def pad_for_context_parallel(tokens: torch.Tensor, sequence_parallel: bool,
+                             pad_id: int = 0) -> torch.Tensor:
+    """Right-pad [B, S] to ``context_parallel_length``. Causal attention keeps the padding out of
+    every real position."""
+    extra = context_parallel_length(tokens.shape[1], sequence_parallel) - tokens.shape[1]
     return torch.nn.functional.pad(tokens, (0, extra), value=pad_id) if extra else tokens
 
 
