@@ -1,8 +1,8 @@
 """Context parallelism of the training model: refused without Transformer Engine on CUDA (CPU
 here, with real CP groups over gloo), the load-balanced sequence split and its inverse over a real
-CP group, and on two GPUs (``gpu``): the CP=2 forward gives the CP=1 logits, and the Megatron
+CP group, and on two GPUs (``gpu``): the CP=2 forward gives the CP=1 logits, the Megatron
 verifier, which reads whole sequences gathered over CP, gives the same result on every CP rank as
-without CP."""
+without CP, and a CP=2 train step gives the CP=1 loss, grad norm and logprobs."""
 
 import pytest
 import torch
@@ -116,3 +116,42 @@ def test_context_parallel_forward_and_verifier_match_no_context_parallelism(chec
     for logits, verdict in launch_local(_forward_worker, 2, checkpoint, 2):
         torch.testing.assert_close(logits, base_logits, rtol=0, atol=2e-4)
         assert verdict == base_verdict
+
+
+def _train_worker(path, context_parallel):
+    """One GRPO step of the fp32 TE model at CP = 1 or 2: loss, grad norm, pre-update logprobs."""
+    from megatron_bubblespec.train.trainer import GRPOBatch, MegatronTrainer, TrainerConfig
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    _init(context_parallel)
+    spec, tensors = load_checkpoint(path)
+    model = build_gpt_model(spec)
+    load_hf_weights(model, spec, tensors)
+    trainer = MegatronTrainer(model, spec, TrainerConfig(lr=1e-4, micro_batch_size=2))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, VOCAB, (5,), generator=g).tolist() for _ in range(4)]
+    responses = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (9, 16, 4, 12)]
+    batch = GRPOBatch.from_responses(prompts, responses, [[-1.0] * len(r) for r in responses],
+                                     torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    metrics = trainer.train_step(batch)
+    after = trainer.logprobs(batch.tokens, batch.response_mask)
+    destroy_distributed()
+    return metrics["train/loss"], metrics["train/grad_norm"], trainer.last_logprobs, after
+
+
+@pytest.mark.gpu
+def test_context_parallel_train_step_matches_no_context_parallelism(checkpoint):
+    pytest.importorskip("transformer_engine", reason="context parallelism needs Transformer Engine")
+    from megatron_bubblespec.train import trainer
+
+    if not hasattr(trainer, "label_logprobs"):
+        pytest.skip("the trainer does not split its micro-batches over CP yet")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("CP=2 needs two GPUs (NCCL allows one rank per GPU)")
+    loss, norm, before, after = launch_local(_train_worker, 1, checkpoint, 1)[0]
+    for cp_loss, cp_norm, cp_before, cp_after in launch_local(_train_worker, 2, checkpoint, 2):
+        assert cp_loss == pytest.approx(loss, abs=1e-5)
+        assert cp_norm == pytest.approx(norm, rel=1e-4)
+        torch.testing.assert_close(cp_before, before, rtol=0, atol=2e-4)
+        torch.testing.assert_close(cp_after, after, rtol=0, atol=2e-4)
