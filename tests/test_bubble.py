@@ -14,6 +14,8 @@ from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams, sample_key
 from megatron_bubblespec.spec.bubble import BubbleDrafter
 
+pytestmark = pytest.mark.slow   # multi-process or real-model runs: minutes on 2 cores
+
 NEXT_SAMPLES, DRAFT_TOKENS = 256, 400  # far more than a bubble can draft: drafts end partial
 
 

@@ -284,6 +284,7 @@ def reference(checkpoint, batch, probe):
     return launch_local(_reference_worker, 1, checkpoint, batch.data, probe, with_engine)[0]
 
 
+@pytest.mark.slow
 def test_single_process_step_matches_pure_torch(reference, batch, checkpoint):
     before, metrics, weights, _ = reference
     data = batch.data
@@ -308,6 +309,7 @@ def test_single_process_step_matches_pure_torch(reference, batch, checkpoint):
 @pytest.mark.parametrize("tp,pp,dp,micro_batch_size,distributed_optimizer", [
     (2, 1, 1, 4, False), (1, 2, 1, 1, False), (1, 1, 2, 1, False), (1, 1, 2, 2, True),
     (2, 2, 1, 2, False)], ids=["tp2", "pp2", "dp2", "dp2-distopt", "tp2xpp2"])
+@pytest.mark.slow
 def test_parallel_step_matches_single_process(reference, checkpoint, batch, tp, pp, dp,
                                               micro_batch_size, distributed_optimizer):
     _, ref_metrics, ref_weights, _ = reference
@@ -328,6 +330,7 @@ def test_parallel_step_matches_single_process(reference, checkpoint, batch, tp, 
             torch.testing.assert_close(weights[name], tensor, rtol=0, atol=WEIGHT_ATOL, msg=name)
 
 
+@pytest.mark.slow
 def test_engine_logprobs_match_trainer_after_step(reference):
     sync = reference[3]
     if sync is None:
@@ -355,6 +358,7 @@ def _bf16_worker(checkpoint, batch):
     return before, metrics, weights, dtypes
 
 
+@pytest.mark.slow
 def test_bf16_step_tracks_the_float32_step(reference, checkpoint, batch):
     """bfloat16 weights with fp32 master weights (Megatron's Float16Module + mixed-precision
     Adam): logprobs agree with float32 to bf16 precision, and every weight matrix moves in the
@@ -389,6 +393,7 @@ def _step_logprobs_worker(checkpoint, batch, pp):
     return before, last
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pp", [1, 2])
 def test_train_step_reports_the_logprobs_before_its_update(checkpoint, batch, pp):
     """The step's own forward gives the rollout logprobs under the old weights (what the loop's
@@ -415,6 +420,7 @@ def _kl_worker(checkpoint, batch, kl_coef, steps):
     return initial, metrics, after, weights, reference
 
 
+@pytest.mark.slow
 def test_kl_penalty_pulls_towards_the_frozen_initial_policy(checkpoint, batch):
     """kl_coef > 0: the reference is the initial policy, frozen (its logprobs never move); the
     first step equals the kl_coef = 0 step bitwise (k3 and its gradient vanish where the policies

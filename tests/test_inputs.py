@@ -360,6 +360,7 @@ def _train_cli(tmp_path, *overrides, env=None) -> tuple[int, str, float]:
     return process.returncode, stderr, time.perf_counter() - start
 
 
+@pytest.mark.slow
 def test_cli_train_stops_at_the_first_bad_row(tmp_path):
     path = _write(tmp_path / "bad.jsonl", [GOOD, GOOD, "{not json", GOOD, GOOD])
     code, stderr, _ = _train_cli(tmp_path, "data.task=jsonl", f"data.path={path}")
@@ -367,6 +368,7 @@ def test_cli_train_stops_at_the_first_bad_row(tmp_path):
     assert "bad.jsonl, row 3: invalid JSON" in stderr
 
 
+@pytest.mark.slow
 def test_cli_train_refuses_a_pipeline_that_does_not_divide_the_layers(tmp_path):
     code, stderr, seconds = _train_cli(tmp_path, "model.tiny_layers=3", "parallel.world_size=2",
                                        "parallel.pipeline=2", "parallel.data=1")
@@ -376,6 +378,7 @@ def test_cli_train_refuses_a_pipeline_that_does_not_divide_the_layers(tmp_path):
     assert "Traceback" not in stderr and seconds < 60
 
 
+@pytest.mark.slow
 def test_cli_train_checks_the_launchers_world(tmp_path):
     """Inside torchrun (RANK / WORLD_SIZE set), a world other than parallel.world_size is refused
     before any process group starts, with the keys to set (or why no setting fits)."""

@@ -112,6 +112,7 @@ def test_uniform_in_open_unit_interval_and_24_bit():
     assert torch.equal(u * 2**24 - 0.5, torch.round(u * 2**24 - 0.5))
 
 
+@pytest.mark.slow
 def test_same_bits_in_a_second_process():
     code = ("import torch;from megatron_bubblespec.sampling import noise_bits;"
             "print(noise_bits(torch.arange(-4,4)*1000003, torch.arange(8)*11, torch.arange(300)).sum().item(),"

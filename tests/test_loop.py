@@ -16,6 +16,8 @@ from megatron_bubblespec.loop.step import run_step
 from megatron_bubblespec.loop.train import _shutdown, train
 from megatron_bubblespec.spec.drafts import Draft
 
+pytestmark = pytest.mark.slow   # multi-process or real-model runs: minutes on 2 cores
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
 

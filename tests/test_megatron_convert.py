@@ -13,6 +13,8 @@ from megatron_bubblespec.train.model import build_gpt_model, padded_vocab_size
 from megatron_bubblespec.train.reshard import Resharder
 from megatron_bubblespec.train.sharding import load_hf_weights
 
+pytestmark = pytest.mark.slow   # multi-process or real-model runs: minutes on 2 cores
+
 VOCAB = 250  # not a multiple of 128: exercises vocabulary padding
 
 

@@ -15,6 +15,8 @@ from megatron_bubblespec.distributed import (
 from megatron_bubblespec.distributed.launch import launch_local
 from megatron_bubblespec.train.sharding import global_layer_names, load_full_state_dict, tp_shard
 
+pytestmark = pytest.mark.slow   # multi-process or real-model runs: minutes on 2 cores
+
 VOCAB, SEQ, MICRO_BATCH, MICRO_BATCHES = 128, 16, 2, 2
 
 

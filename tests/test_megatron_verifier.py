@@ -27,6 +27,8 @@ from megatron_bubblespec.spec.verify import NO_TOKEN, verify_keyed
 from megatron_bubblespec.train.model import build_gpt_model
 from megatron_bubblespec.train.sharding import load_hf_weights
 
+pytestmark = pytest.mark.slow   # multi-process or real-model runs: minutes on 2 cores
+
 VOCAB = 250          # Megatron pads it to 256 (x TP): ids 250..255 exist as logits but never as tokens
 MAX_NEW = 12
 PROMPTS = 8

@@ -15,6 +15,8 @@ from megatron_bubblespec.models.smollm2 import (
     smollm2_checkpoint,
 )
 
+pytestmark = pytest.mark.slow   # multi-process or real-model runs: minutes on 2 cores
+
 SMOLLM2_SPEC = dict(
     arch="llama", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
     head_dim=64, intermediate_size=1536, rope_theta=100000.0, tie_word_embeddings=True,

@@ -10,6 +10,8 @@ from megatron_bubblespec.train.forward import megatron_forward
 from megatron_bubblespec.train.model import build_gpt_model
 from megatron_bubblespec.train.sharding import load_hf_weights
 
+pytestmark = pytest.mark.slow   # multi-process or real-model runs: minutes on 2 cores
+
 # fp32 end to end. Float32 rounding alone moves this model's logits (magnitude up to ~40) by up
 # to ~8e-5 from the exact value: transformers' own fp32 forward is 7.9e-5 from its fp64 forward
 # on this prompt, Megatron's 6.3e-5 (and bitwise equal to transformers' eager-attention fp32

@@ -9,6 +9,8 @@ from megatron_bubblespec.distributed.launch import launch_local
 from megatron_bubblespec.sampling import SamplingParams, keyed_sample, sample_key
 from megatron_bubblespec.spec import verify_keyed
 
+pytestmark = pytest.mark.slow   # multi-process or real-model runs: minutes on 2 cores
+
 VOCAB, PADDED = 61, 64  # the last 3 columns are vocabulary padding, as Megatron adds
 PARAMS = [SamplingParams(0.0), SamplingParams(1.0), SamplingParams(0.7),
           SamplingParams(1.0, top_k=5), SamplingParams(0.9, top_p=0.8)]
