@@ -51,6 +51,7 @@ def checkpoint(tmp_path_factory):
                                 num_layers=2)
 
 
+@pytest.mark.slow
 def test_context_parallel_is_refused_without_cuda(checkpoint):
     if torch.cuda.is_available():
         pytest.skip("this machine can run context parallelism")
@@ -72,6 +73,7 @@ def _split_worker():
     return out
 
 
+@pytest.mark.slow
 def test_split_and_gather_over_a_context_parallel_group():
     for rank, padded, local, whole in launch_local(_split_worker, 2):
         assert padded.shape == (2, 8) and torch.equal(padded[:, 7], torch.zeros(2, dtype=torch.long))

@@ -65,6 +65,7 @@ def _exchange_worker():
     return route.device.type, out
 
 
+@pytest.mark.slow
 def test_exchange_over_three_gloo_ranks():
     assert all(res == ("cpu", _everyone(3)) for res in launch_local(_exchange_worker, 3))
 
@@ -118,6 +119,7 @@ def _twin_worker():
             "drafts": out}
 
 
+@pytest.mark.slow
 def test_nccl_route_uses_megatrons_gloo_twin():
     results = launch_local(_twin_worker, 4)
     for res in results:

@@ -52,6 +52,7 @@ def _export_worker(path, out_root):
     return results, written
 
 
+@pytest.mark.slow
 def test_export_on_rank_zero_only_sharded_and_reloads(checkpoint, tmp_path):
     _, original = load_checkpoint(checkpoint)
     ranks = launch_local(_export_worker, 2, checkpoint, tmp_path)

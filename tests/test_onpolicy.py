@@ -82,6 +82,7 @@ def steps(tmp_path_factory):
     return launch_local(_stale_head_worker, 1, path)[0]
 
 
+@pytest.mark.slow
 def test_a_synced_engine_passes(steps):
     assert steps["step0"] < LIMITS["float32"].max_abs / 100
     gap = check_on_policy(*steps["synced"], "float32", step=1, weight_version=1)
@@ -89,6 +90,7 @@ def test_a_synced_engine_passes(steps):
     assert gap < LIMITS["float32"].max_abs / 100, gap
 
 
+@pytest.mark.slow
 def test_a_stale_lm_head_fails_the_step_with_what_to_check(steps):
     assert steps["head_moved"] == pytest.approx(LR, rel=0.5)       # one Adam step of the head
     gap = logprob_gap(*steps["stale"])
