@@ -11,7 +11,7 @@ them ready (``ensure_model_parallel_initialized`` only checks their sizes) and c
 
 Rollout tensor parallelism (``rollout_tp > 1``): vLLM's tensor-parallel groups are contiguous rank
 blocks ``[kT .. kT+T-1]``, which are exactly Megatron's TP groups in its default order (TP
-innermost, context parallelism 1); :func:`init_vllm_parallel_state` asserts it. The replica's first
+innermost); :func:`init_vllm_parallel_state` asserts it. The replica's first
 pipeline stage builds its engine with ``distributed_executor_backend="external_launcher"``, one
 shard per rank. That executor reduces the available KV-cache memory over vLLM's WORLD group, a
 collective the other pipeline stages never enter; :func:`patch_external_launcher` makes it
@@ -79,7 +79,7 @@ def init_vllm_parallel_state(rollout_tp: int, *, run_name: str = "bubblespec") -
             raise RuntimeError(
                 f"rank {rank}: vLLM's tensor-parallel group {vllm_tp} is not Megatron's "
                 f"{megatron_tp}; rollout.tensor_parallel > 1 needs Megatron's default rank order "
-                "(tensor parallelism innermost, parallel.context=1)")
+                "(tensor parallelism innermost)")
         patch_external_launcher()
 
 

@@ -198,7 +198,8 @@ def build_replica(cfg: Config) -> Replica:
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     sampler = LookaheadSampler(cfg.run.seed, task.size, cfg.rollout.prompts_per_step, dp_size,
                                cfg.rollout.samples_per_prompt)
-    first_stage = ps.get_pipeline_model_parallel_rank() == 0
+    first_stage = (ps.get_pipeline_model_parallel_rank() == 0
+                   and ps.get_context_parallel_rank() == 0)   # engines live on CP rank 0
     is_leader = first_stage and ps.get_tensor_model_parallel_rank() == 0
     rollout_tp = cfg.rollout.tensor_parallel
     if cfg.rollout.engine == "vllm":
