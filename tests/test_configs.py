@@ -33,11 +33,13 @@ MODELS = {
 
 def _training_bytes(cfg, model: dict, last_stage: bool) -> float:
     """Peak training memory of one GPU of the first (or last) pipeline stage for one
-    max_model_len sequence per micro-batch: bf16 weights + fp32 grads + distributed fp32 master
-    weights and Adam moments, bf16 activations (sequence parallel, flash attention; 1F1B keeps
-    PP micro-batches in flight on the first stage), logits on the last stage, and a reserve."""
-    p, s, m = cfg.parallel, cfg.model.max_model_len, model
-    states = (6 + 12 / p.data) * m["params"] / (p.tensor * p.pipeline)
+    max_model_len sequence per micro-batch: bf16 weights + fp32 grads + fp32 master weights and
+    Adam moments distributed over DP x CP, bf16 activations (sequence parallel, flash attention,
+    split over the CP ranks; 1F1B keeps PP micro-batches in flight on the first stage), logits on
+    the last stage, and a reserve."""
+    p, m = cfg.parallel, model
+    s = cfg.model.max_model_len / p.context
+    states = (6 + 12 / (p.data * p.context)) * m["params"] / (p.tensor * p.pipeline)
     per_layer = 12 * m["hidden"] + 4 * m["kv_heads"] * m["head_dim"] + 6 * m["ffn"]
     layers = m["layers"] // p.pipeline if last_stage else m["layers"]   # held in flight
     if cfg.train.recompute_activations:
@@ -73,8 +75,8 @@ def test_large_config_layout_and_budget(path, monkeypatch):
     cfg = _load(path, monkeypatch)
     p, r, m = cfg.parallel, cfg.rollout, cfg.model
     model = MODELS[Path(m.path).name]
-    assert p.tensor * p.pipeline * p.data == p.world_size
-    assert p.context == 1 and r.tensor_parallel == 1     # what the loop supports today
+    assert p.tensor * p.pipeline * p.context * p.data == p.world_size
+    assert r.tensor_parallel in (1, p.tensor)
     assert p.world_size % GPUS_PER_NODE == 0
     assert model["kv_heads"] % p.tensor == 0 and model["heads"] % p.tensor == 0
     assert model["layers"] % p.pipeline == 0
@@ -82,12 +84,15 @@ def test_large_config_layout_and_budget(path, monkeypatch):
     assert m.max_model_len >= cfg.data.max_prompt_tokens + r.max_new_tokens
     assert m.max_model_len <= model["positions"]          # vLLM refuses longer than config.json
     assert cfg.spec.max_draft_tokens <= r.max_new_tokens
-    # vLLM refuses to start unless its KV cache holds one max_model_len sequence.
-    kv_per_token = model["layers"] * model["kv_heads"] * model["head_dim"] * 2 * 2
+    # vLLM refuses to start unless its KV cache holds one max_model_len sequence; at rollout
+    # TP > 1 every GPU of the engine holds its share of the weights and of the KV heads.
+    shards = r.tensor_parallel
+    kv_per_token = model["layers"] * model["kv_heads"] * model["head_dim"] * 2 * 2 / shards
     gpu_bytes = GPU_BYTES.get(path.name, H200_BYTES)
-    kv_bytes = r.gpu_memory_utilization * gpu_bytes - 2 * model["params"] - model["vllm_overhead"]
+    kv_bytes = (r.gpu_memory_utilization * gpu_bytes - 2 * model["params"] / shards
+                - model["vllm_overhead"])
     assert kv_bytes >= kv_per_token * m.max_model_len, kv_bytes / kv_per_token
-    # The engine shares the replica's first GPU with the first pipeline stage.
+    # The engine shares its GPUs with the first pipeline stage.
     first = _training_bytes(cfg, model, last_stage=False) + r.gpu_memory_utilization * gpu_bytes
     assert first <= gpu_bytes, f"first stage: {first / 1e9:.1f} GB > {gpu_bytes / 1e9:.0f} GB"
     last = _training_bytes(cfg, model, last_stage=True)
