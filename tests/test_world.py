@@ -30,7 +30,7 @@ def test_single_process_default():
 
 
 def test_indivisible_parallel_sizes_are_refused_before_any_group_starts():
-    with pytest.raises(ValueError, match="tensor_parallel x pipeline_parallel = 2 x 2"):
+    with pytest.raises(ValueError, match="tensor_parallel x context_parallel x pipeline_parallel = 2 x 1 x 2"):
         init_distributed(2, 2, world=WorldInfo(0, 6, 0, "127.0.0.1", 1, "single"))
 
 

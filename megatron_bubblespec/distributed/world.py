@@ -95,17 +95,18 @@ def init_process_group(*, backend: str | None = None, timeout_s: float = 600.0,
 
 def init_distributed(tensor_parallel: int = 1, pipeline_parallel: int = 1, *, seed: int = 0,
                      backend: str | None = None, timeout_s: float = 600.0,
-                     world: WorldInfo | None = None) -> WorldInfo:
-    """Start the default process group and Megatron's TP x PP x DP groups; returns the layout.
+                     world: WorldInfo | None = None, context_parallel: int = 1) -> WorldInfo:
+    """Start the default process group and Megatron's TP x CP x PP x DP groups; returns the layout.
 
-    Raises a ValueError naming the sizes when TP x PP does not divide the world size.
+    Raises a ValueError naming the sizes when TP x CP x PP does not divide the world size.
     """
     world = world or detect_world()
-    if world.world_size % (tensor_parallel * pipeline_parallel):
+    if world.world_size % (tensor_parallel * pipeline_parallel * context_parallel):
         raise ValueError(
             f"world size {world.world_size} is not divisible by tensor_parallel x "
-            f"pipeline_parallel = {tensor_parallel} x {pipeline_parallel}; choose sizes whose "
-            "product divides the number of processes (the rest becomes data parallelism)")
+            f"context_parallel x pipeline_parallel = {tensor_parallel} x {context_parallel} x "
+            f"{pipeline_parallel}; choose sizes whose product divides the number of processes "
+            "(the rest becomes data parallelism)")
     init_process_group(backend=backend, timeout_s=timeout_s, world=world)
     apply_cpu_patches()
     from megatron.core import parallel_state, tensor_parallel as mp_tensor_parallel
@@ -113,7 +114,8 @@ def init_distributed(tensor_parallel: int = 1, pipeline_parallel: int = 1, *, se
     with megatron_cpu_mode():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_parallel,
-            pipeline_model_parallel_size=pipeline_parallel)
+            pipeline_model_parallel_size=pipeline_parallel,
+            context_parallel_size=context_parallel)
         mp_tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return world
 
