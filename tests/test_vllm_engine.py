@@ -7,7 +7,8 @@
 * step / abort: a request aborted after n steps holds exactly the run's first n tokens.
 * decode_steps accounting and EOS handling (first-token EOS, several EOS ids, prefix ending in EOS).
 * update_weights: in place, equal to a fresh engine on the new checkpoint, no stale prefix cache
-  (with a negative control showing that a reload without the reset would be caught).
+  (with a negative control showing that a reload without the reset would be caught); the
+  caller's (name, tensor) iterator is streamed into vLLM, never collected into a whole model.
 
 One engine per module on a tiny random Llama (vocab 256, hidden 64, 2 layers, head_dim 32).
 """
@@ -306,6 +307,41 @@ def test_decode_steps_and_eos(engine, runs, prompts):
     assert not engine.has_unfinished()
 
 
+def test_update_weights_streams_the_iterator(engine, checkpoint, prompts):
+    """update_weights hands the caller's iterator to vLLM instead of collecting the model first:
+    each tensor is consumed (and may be freed) before the next is asked for, so at most a layer's
+    worth of the caller's tensors is alive at any time. A dict of the whole model would keep
+    every one of them alive until the last had been yielded."""
+    import weakref
+
+    _, tensors = load_checkpoint(checkpoint)
+    names = list(tensors)
+    alive: list[weakref.ref] = []
+    most_alive = 0
+
+    def stream():
+        nonlocal most_alive
+        for name in names:
+            most_alive = max(most_alive, sum(r() is not None for r in alive))
+            tensor = tensors[name].clone()   # the caller's own copy, dropped after the yield
+            alive.append(weakref.ref(tensor))
+            yield name, tensor
+            del tensor
+
+    keys = keys_for(5, 2)
+    requests = lambda tag: [RolloutRequest(f"{tag}-{i}", p, keys[i], 8)   # noqa: E731
+                            for i, p in enumerate(prompts[:2])]
+    before = engine.generate(requests("s-before"), PARAMS["T1"])
+    engine.update_weights(stream())
+    per_layer = sum(n.startswith("model.layers.0.") for n in names)
+    assert len(alive) == len(names) and len(names) > 2 * per_layer
+    assert most_alive <= per_layer + 2, (most_alive, per_layer, len(names))
+    after = engine.generate(requests("s-after"), PARAMS["T1"])   # same weights: same run
+    for a, b in zip(before, after):
+        assert a.token_ids == b.token_ids
+        assert max_abs_diff(a.logprobs, b.logprobs) <= LOGPROB_TOL_SAME
+
+
 def test_update_weights_in_place(engine, checkpoint, prompts, tmp_path_factory):
     """Runs last: it restores the original weights at the end all the same."""
     other = tiny_checkpoint(tmp_path_factory.mktemp("tiny_b"), seed=1)
@@ -369,37 +405,3 @@ def test_update_weights_of_a_tied_model_updates_the_lm_head(tmp_path):
     assert updated.token_ids == fresh.token_ids
     assert max_abs_diff(updated.logprobs, fresh.logprobs) <= LOGPROB_TOL_SAME
 
-
-def test_update_weights_streams_the_iterator(engine, checkpoint, prompts):
-    """update_weights hands the caller's iterator to vLLM instead of collecting the model first:
-    each tensor is consumed (and may be freed) before the next is asked for, so at most a layer's
-    worth of the caller's tensors is alive at any time. A dict of the whole model would keep
-    every one of them alive until the last had been yielded."""
-    import weakref
-
-    _, tensors = load_checkpoint(checkpoint)
-    names = list(tensors)
-    alive: list[weakref.ref] = []
-    most_alive = 0
-
-    def stream():
-        nonlocal most_alive
-        for name in names:
-            most_alive = max(most_alive, sum(r() is not None for r in alive))
-            tensor = tensors[name].clone()   # the caller's own copy, dropped after the yield
-            alive.append(weakref.ref(tensor))
-            yield name, tensor
-            del tensor
-
-    keys = keys_for(5, 2)
-    requests = lambda tag: [RolloutRequest(f"{tag}-{i}", p, keys[i], 8)   # noqa: E731
-                            for i, p in enumerate(prompts[:2])]
-    before = engine.generate(requests("s-before"), PARAMS["T1"])
-    engine.update_weights(stream())
-    per_layer = sum(n.startswith("model.layers.0.") for n in names)
-    assert len(alive) == len(names) and len(names) > 2 * per_layer
-    assert most_alive <= per_layer + 2, (most_alive, per_layer, len(names))
-    after = engine.generate(requests("s-after"), PARAMS["T1"])   # same weights: same run
-    for a, b in zip(before, after):
-        assert a.token_ids == b.token_ids
-        assert max_abs_diff(a.logprobs, b.logprobs) <= LOGPROB_TOL_SAME

@@ -2,7 +2,8 @@
 
 vLLM runs the model, the KV cache, batching and prefix caching; the *choice* of every token is ours.
 A batch-level logits processor (``KeyedLogitsProcessor``, vLLM's V1 interface) draws each row's
-token with the project's keyed sampler (``megatron_bubblespec.sampling.keyed``) at the row's
+token with the project's keyed sampler (``megatron_bubblespec.sampling.keyed``, computed on few
+tokens per row by ``rollout.keyed_draw``, the same tokens) at the row's
 absolute response position and sets every other logit to -inf, so vLLM's own sampler (run greedy,
 T = 0) merely picks the forced token. Tokens therefore equal plain keyed decoding of the weights.
 
@@ -45,7 +46,8 @@ import torch
 from megatron_bubblespec.cache import cache_dir
 from megatron_bubblespec.rollout.base import RolloutEngine
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
-from megatron_bubblespec.sampling import SamplingParams, keyed_sample
+from megatron_bubblespec.rollout.keyed_draw import keyed_sample_sparse
+from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.rollout.vllm_proposer import POOL_ARGS_KEY, PoolProposer, pool_extra_args
 
 EXTRA_ARGS_KEY = "bubblespec_keyed"
@@ -179,8 +181,8 @@ def _processor_class():
                                     device=logits.device)
                 positions = torch.tensor([t[2] for t in group], dtype=torch.int64,
                                          device=logits.device)
-                tokens = keyed_sample(logits.index_select(0, index_t), keys, positions, params,
-                                      vocab_size=self.vocab_size)
+                tokens = keyed_sample_sparse(logits.index_select(0, index_t), keys, positions,
+                                             params, vocab_size=self.vocab_size)
                 logits.index_fill_(0, index_t, float("-inf"))
                 logits[index_t, tokens] = 0.0
             return logits
