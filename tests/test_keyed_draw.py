@@ -44,7 +44,8 @@ def test_sparse_draw_hashes_few_tokens(monkeypatch):
     keys = torch.tensor([sample_key(1, 2, i, 0) for i in range(n)])
     hashed = []
     original = keyed_draw.uniform_at
-    monkeypatch.setattr(keyed_draw, "uniform_at", lambda *a: hashed.append(a[2].numel()) or original(*a))
+    monkeypatch.setattr(keyed_draw, "uniform_at",
+                        lambda *a: hashed.append(a[2].numel()) or original(*a))
     got = keyed_sample_sparse(logits, keys, torch.arange(n), params)
     assert torch.equal(got, keyed_sample(logits, keys, torch.arange(n), params))
     assert sum(hashed) < n * vocab / 20
@@ -59,7 +60,8 @@ def test_tokens_whose_noise_rounds_to_infinity(params):
     stays below 1, this test and ``_tokens_with_infinite_noise`` go.)"""
     vocab, key = 49152, sample_key(9, 9, 9, 9)
     positions = torch.arange(4000)
-    rows, tokens = keyed_draw._tokens_with_infinite_noise(torch.full((4000,), key), positions, vocab)
+    keys = torch.full((4000,), key)
+    rows, tokens = keyed_draw._tokens_with_infinite_noise(keys, positions, vocab)
     assert rows.numel() >= 4
     assert torch.equal(uniform_at(torch.full_like(tokens, key), positions[rows], tokens),
                        torch.ones(tokens.numel()))

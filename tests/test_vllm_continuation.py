@@ -159,8 +159,8 @@ def test_eos_inside_accepted_proposals(spec_engine, plain, prompts, keys):
         stop = next(j for j in range(10, len(tokens)) if tokens[j] not in tokens[:j])
         stops.append(stop)
         eos.append((tokens[stop],))
-    got = spec_engine.generate(_requests("eos", prompts, keys, _pools("true", [r.token_ids for r in want]),
-                                         eos=eos), PARAMS["T1"])
+    pools = _pools("true", [r.token_ids for r in want])
+    got = spec_engine.generate(_requests("eos", prompts, keys, pools, eos=eos), PARAMS["T1"])
     for i, (r, w, stop) in enumerate(zip(got, want, stops)):
         assert r.finish_reason == "eos", f"request {i}"
         assert r.token_ids == w.token_ids[:stop + 1]

@@ -1,4 +1,4 @@
-"""Logits [N, V] + keys + positions -> the keyed sampler's tokens, hashing noise for few tokens only.
+"""Logits [N, V] + keys + positions -> the keyed sampler's tokens, hashing few tokens' noise.
 
 ``sampling.keyed_sample`` hashes the Gumbel noise of every (row, token) and, with top-p, sorts
 every row in float64; at a 49k-152k vocabulary on (k + 1) rows per request that costs more than

@@ -280,7 +280,8 @@ class VLLMEngine(RolloutEngine):
         if distributed_executor_backend is not None:
             kwargs["distributed_executor_backend"] = distributed_executor_backend
         self.speculative_continuation = speculative_continuation
-        self.spec_k, self.spec_min_match, self.spec_max_match = spec_k, spec_min_match, spec_max_match
+        self.spec_k = spec_k
+        self.spec_min_match, self.spec_max_match = spec_min_match, spec_max_match
         if speculative_continuation:
             from megatron_bubblespec.rollout import vllm_patches
 
@@ -431,7 +432,8 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError(f"update_weights with {len(self._live)} unfinished requests: "
                                "abort or finish them first")
         hf_config = self.llm.llm_engine.model_config.hf_config
-        weights = _with_tied_lm_head(named_tensors, getattr(hf_config, "tie_word_embeddings", False))
+        tied = getattr(hf_config, "tie_word_embeddings", False)
+        weights = _with_tied_lm_head(named_tensors, tied)
         if not self._workers_in_process():
             weights = list(weights)
         self.llm.collective_rpc(_reload_weights_on_worker, args=(weights,))
