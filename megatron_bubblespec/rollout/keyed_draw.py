@@ -5,11 +5,13 @@ every row in float64; at a 49k-152k vocabulary on (k + 1) rows per request that 
 the forward on a CPU. This module returns the same tokens, bit for bit, by computing the noise only
 where it can matter:
 
-* The noise is bounded: u <= (2**24 - 0.5) / 2**24, so g = -log(-log u) <= G_MAX (about 17.3). A
-  token whose scaled logit plus G_MAX is below the exact score of some token cannot win. The exact
-  scores of each row's best ``PROBE`` allowed tokens give that bar; the noise is then hashed for
-  the tokens above it (ordinarily a few dozen) and the argmax taken among them, ties to the lowest
-  id, as ``torch.argmax`` over the whole row does.
+* The noise is bounded: a float32 u below 1 is at most 1 - 2**-24, so g = -log(-log u) <= G_MAX
+  (about 16.6); u that rounds to exactly 1.0 (g = +inf) is found by inverting the hash (see
+  ``_tokens_with_infinite_noise``). A token whose scaled logit plus G_MAX is below the exact score
+  of some token cannot win. The exact scores of each row's best ``PROBE`` allowed tokens give that
+  bar; the noise is then hashed for the tokens above it (SmolLM2 at T = 1: about a tenth of the
+  vocabulary; with top-p 0.9: the nucleus, a few tokens) and the argmax taken among them, ties to
+  the lowest id, as ``torch.argmax`` over the whole row does.
 * top-k: the same ``torch.topk`` threshold as ``sampling.truncation_mask``. top-p: the same float64
   softmax over the row, but only the most probable tokens are sorted (stable, ids ascending among
   equal probabilities) and summed in order, doubling their number until the kept mass is reached;
@@ -31,7 +33,7 @@ from megatron_bubblespec.sampling.keyed import MASK32, row_words, uniform_at
 
 PROBE = 8            # tokens per row whose exact scores set the bar
 _PAD = 64            # element multiple of the gathered tensors (whole vector iterations)
-_U_MAX = ((1 << 24) - 1.5) / (1 << 24)   # the largest u below 1.0 (rounds to 1 - 2**-23)
+_U_MAX = 1.0 - 2.0 ** -24   # the largest float32 below 1.0: bounds every finite g
 _MARGIN = 1e-3       # G_MAX is rounded up by this much: a superset of candidates is harmless
 
 
