@@ -28,7 +28,7 @@ def _logits(n, vocab, seed):
 @pytest.mark.parametrize("params", SETTINGS, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_sparse_draw_equals_keyed_sample(params, dtype):
-    n, vocab = 96, 3000
+    n, vocab = 48, 3000
     logits = _logits(n, vocab, seed=hash(str(params)) % 1000).to(dtype)
     keys = torch.tensor([sample_key(5, 1, i // 4, i % 4) for i in range(n)])
     positions = torch.arange(n) * 7 % 500
