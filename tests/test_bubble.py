@@ -23,11 +23,11 @@ def _next_request(i):
     return RolloutRequest(f"draft-{i}", [5 + i % 7, 9, 11], sample_key(1, 8, i // 4, i % 4), DRAFT_TOKENS)
 
 
-def _barrier_worker(path, delays, timeout_s, order=None):
+def _barrier_worker(path, delays, timeout_s, order=None, in_flight=4):
     world = init_process_group(backend="gloo", timeout_s=60)
     engine = ReferenceEngine(path)
     drafter = BubbleDrafter(default_store(), world.world_size, engine, SamplingParams(1.0),
-                            chunk=2, max_in_flight=4, timeout_s=timeout_s)
+                            chunk=2, in_flight=in_flight, timeout_s=timeout_s)
     if delays[world.rank] is None:  # a rank that hangs: never reaches the barrier
         time.sleep(3.0)
         return None, None, None
@@ -89,3 +89,10 @@ def test_the_cursor_hands_out_samples_in_the_given_order(tiny):
     (drafts, stats, _), _ = launch_local(_barrier_worker, 2, tiny, [0.0, 1.0], 120.0, order)
     assert drafts and stats.claimed_samples < NEXT_SAMPLES
     assert min(d.sample_index for d in drafts) >= NEXT_SAMPLES - stats.claimed_samples
+
+
+def test_a_drafting_rank_keeps_its_full_batch_in_flight(tiny):
+    """spec.draft_in_flight rows at once: every engine step drafts one token for each of them."""
+    (drafts, stats, _), _ = launch_local(_barrier_worker, 2, tiny, [0.0, 3.0], 120.0, None, 16)
+    assert stats.claimed_samples >= 16 and stats.engine_steps > 2
+    assert stats.drafted_tokens >= 12 * stats.engine_steps  # ~16 rows per step, not 4

@@ -70,6 +70,7 @@ class SpecConfig:
     verifier: str = "megatron"      # megatron | engine (reference engine, TP = PP = 1)
     max_draft_tokens: int = 64      # per sample
     draft_chunk: int = 2            # samples claimed from the shared cursor at a time
+    draft_in_flight: int = 32       # next-step samples a drafting rank keeps in its engine at once
     speculative_continuation: bool = True
     spec_k: int = 4
     min_match: int = 2
@@ -147,6 +148,7 @@ BOUNDS = {
     "rollout.prompts_per_step": (lambda v: v >= 1, ">= 1"),
     "spec.max_draft_tokens": (lambda v: v >= 0, ">= 0"),
     "spec.draft_chunk": (lambda v: v >= 1, ">= 1"),
+    "spec.draft_in_flight": (lambda v: v >= 1, ">= 1"),
     "spec.spec_k": (lambda v: v >= 1, ">= 1"),
     "spec.min_match": (lambda v: v >= 1, ">= 1"),
     "train.lr": (lambda v: v >= 0, ">= 0"),

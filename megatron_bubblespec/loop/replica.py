@@ -217,7 +217,8 @@ def build_replica(cfg: Config) -> Replica:
     drafter = None
     if is_leader:
         drafter = BubbleDrafter(default_store(), dp_size, engine, params,
-                                chunk=cfg.spec.draft_chunk, timeout_s=cfg.spec.barrier_timeout_s,
+                                chunk=cfg.spec.draft_chunk, in_flight=cfg.spec.draft_in_flight,
+                                timeout_s=cfg.spec.barrier_timeout_s,
                                 namespace=f"bubblespec/{cfg.run.name}")
     return Replica(cfg, spec, path, params, task, sampler, trainer, MegatronVerifier(model, spec),
                    trainer.resharder(), engine, drafter, engine_shard, dp_rank, dp_size, is_leader)

@@ -53,7 +53,7 @@ DEFAULT_SIGMA = 1.0         # log-length spread when no per-sample lengths were 
 DEFAULT_ACCEPT_PROB = 0.9   # when the bench drafted nothing
 ENGINE_QUANTILE = 0.02
 ROBUST_SCALE = 0.1          # relative residual beyond which a bench-engine row counts as an outlier
-DRAFT_CONCURRENCY = 8       # BubbleDrafter's max_in_flight
+DRAFT_CONCURRENCY = 32      # BubbleDrafter's in_flight when the config is unknown
 CHECKED = ("bubble_ratio_off", "bubble_ratio_on", "decode_steps_ratio", "throughput_ratio",
            "throughput_ratio_with_verify", "bubble_utilization", "accept_rate")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -338,14 +338,15 @@ def _job_shape(cfg, off: Sequence[Mapping], bench_path: Path) -> dict:
         return {"ranks": cfg.parallel.data, "cap": r.max_new_tokens,
                 "samples": r.prompts_per_step * r.samples_per_prompt // cfg.parallel.data,
                 "draft_budget": min(cfg.spec.max_draft_tokens, r.max_new_tokens),
-                "chunk": cfg.spec.draft_chunk, "engine": r.engine}
+                "chunk": cfg.spec.draft_chunk, "in_flight": cfg.spec.draft_in_flight,
+                "engine": r.engine}
     ranks = sum(1 for k in off[0] if k.startswith("rank") and k.endswith("/bubble/idle_s"))
     if ranks < 1:
         raise CalibrationError(f"bench file {bench_path}: cannot tell the number of DP ranks "
                                "(no run config.yaml and no rank*/bubble/idle_s metrics)")
     cap = int(max(r["rollout/max_response_len"] for r in off))
     return {"ranks": ranks, "cap": cap, "samples": None, "draft_budget": cap, "chunk": 2,
-            "engine": None}
+            "in_flight": DRAFT_CONCURRENCY, "engine": None}
 
 
 def _engine_costs(engine_paths, engine_name, lengths, measured_rank_s, prompt_len, notes):
@@ -419,7 +420,7 @@ def calibrate(bench_path: str | Path, engine_paths: Sequence[str | Path] = (), *
         accept = DEFAULT_ACCEPT_PROB
         notes.append(f"the bench drafted nothing: acceptance per token {DEFAULT_ACCEPT_PROB}")
     setting = Setting(ranks, samples, prompt_len, cap, job["draft_budget"], accept_prob=accept,
-                      draft_concurrency=DRAFT_CONCURRENCY, draft_chunk=job["chunk"],
+                      draft_concurrency=job["in_flight"], draft_chunk=job["chunk"],
                       jitter=jitter)
     measured = {k: bench.get(k) for k in (*CHECKED, "accepted_prefix_mean", "steps")}
     source = {"bench": str(bench_path), "engine": [str(p) for p in engine_paths],

@@ -149,7 +149,7 @@ class Setting:
     max_new_tokens: int
     max_draft_tokens: int
     accept_prob: float = 1.0
-    draft_concurrency: int = 8        # BubbleDrafter's max_in_flight
+    draft_concurrency: int = 32       # BubbleDrafter's in_flight (spec.draft_in_flight)
     draft_chunk: int = 2              # spec.draft_chunk
     jitter: float = 0.0               # log-sd of a rank's rollout speed, drawn per rank and step
     spec: bool = True

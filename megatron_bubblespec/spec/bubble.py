@@ -1,6 +1,11 @@
 """The DP barrier with bubble drafting: finished rank -> arrive at a store counter -> draft next-step
 samples (claimed in chunks from a shared cursor) one engine step at a time -> abort when all arrived.
 
+A drafting rank keeps up to ``in_flight`` next-step samples in its engine at once (its full decode
+batch: an engine step costs nearly the same for 1 or 32 rows, so drafted tokens per bubble-second
+grow with the batch), refilling from the cursor as drafts finish; it stops within one engine step
+of the barrier's close whatever the batch.
+
 The counter and the cursor live in the torch.distributed store, which works for gloo and NCCL
 alike and costs one round trip per check. Fast ranks arrive first and claim more chunks; no sample
 is claimed twice. When the last rank arrives it stamps the closing time, so each drafting rank can
@@ -37,10 +42,10 @@ class BubbleDrafter:
     """Arrive, draft while others are still generating, return the partial drafts."""
 
     def __init__(self, store, dp_size: int, engine: RolloutEngine, params: SamplingParams, *,
-                 chunk: int = 2, max_in_flight: int = 8, timeout_s: float = 600.0,
+                 chunk: int = 2, in_flight: int = 32, timeout_s: float = 600.0,
                  poll_s: float = 0.002, namespace: str = "bubblespec"):
         self.store, self.dp_size, self.engine, self.params = store, dp_size, engine, params
-        self.chunk, self.max_in_flight = chunk, max(max_in_flight, chunk)
+        self.chunk, self.in_flight = chunk, max(in_flight, chunk)
         self.timeout_s, self.poll_s, self.namespace = timeout_s, poll_s, namespace
 
     def _key(self, what: str, step: int) -> str:
@@ -64,7 +69,7 @@ class BubbleDrafter:
             self.store.set(closed, repr(time.time()))
             stats.last_to_arrive = True
             return drafts, stats
-        in_flight: dict[str, tuple[int, int]] = {}  # request id -> (sample index, key)
+        pending: dict[str, tuple[int, int]] = {}  # request id -> (sample index, key)
         exhausted = next_request is None or num_next_samples == 0
         while self.store.add(arrive, 0) < self.dp_size:
             if time.perf_counter() - arrived_at > self.timeout_s:
@@ -72,7 +77,7 @@ class BubbleDrafter:
                     f"step {step}: only {self.store.add(arrive, 0)} of {self.dp_size} data-parallel "
                     f"ranks reached the barrier within {self.timeout_s:.0f} s; a rank died or hangs "
                     "(see its log); raise spec.barrier_timeout_s if steps are legitimately slower")
-            while not exhausted and len(in_flight) < self.max_in_flight:
+            while not exhausted and len(pending) < self.in_flight:
                 end = self.store.add(cursor, self.chunk)
                 start = end - self.chunk
                 if start >= num_next_samples:
@@ -82,7 +87,7 @@ class BubbleDrafter:
                            for c in range(start, min(end, num_next_samples))]
                 claimed = [next_request(i) for i in indices]
                 stats.claimed_samples += len(claimed)
-                in_flight.update({r.request_id: (i, r.key) for r, i in zip(claimed, indices)})
+                pending.update({r.request_id: (i, r.key) for r, i in zip(claimed, indices)})
                 self.engine.add(claimed, self.params)
             if not self.engine.has_unfinished():
                 time.sleep(self.poll_s)  # nothing left to draft: plain waiting
@@ -91,11 +96,11 @@ class BubbleDrafter:
             finished = self.engine.step()
             stats.drafting_s += time.perf_counter() - began
             stats.engine_steps += 1
-            drafts += self._collect(finished, in_flight, weight_version)
+            drafts += self._collect(finished, pending, weight_version)
         closed_seen = time.time()
         stats.idle_s = time.perf_counter() - arrived_at
         if self.engine.has_unfinished():
-            drafts += self._collect(self.engine.abort(), in_flight, weight_version)
+            drafts += self._collect(self.engine.abort(), pending, weight_version)
         closed_at = float(self.store.get(closed).decode())
         stats.overshoot_s = max(0.0, closed_seen - closed_at) if stats.engine_steps else 0.0
         stats.drafted_samples = sum(1 for d in drafts if d.tokens)
@@ -103,11 +108,11 @@ class BubbleDrafter:
         return [d for d in drafts if d.tokens], stats
 
     @staticmethod
-    def _collect(results: list[RolloutResult], in_flight: dict[str, tuple[int, int]],
+    def _collect(results: list[RolloutResult], pending: dict[str, tuple[int, int]],
                  weight_version: int) -> list[Draft]:
         out = []
         for r in results:
-            claimed = in_flight.pop(r.request_id, None)
+            claimed = pending.pop(r.request_id, None)
             if claimed is not None:
                 out.append(Draft(claimed[0], claimed[1], weight_version, tuple(r.token_ids)))
         return out
