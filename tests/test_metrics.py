@@ -34,12 +34,14 @@ from megatron_bubblespec.metrics import (
 )
 from megatron_bubblespec.metrics.aggregate import DERIVED, MAXED, MEANED, SUMMED
 from megatron_bubblespec.metrics.formatting import count, number, percent, scientific, seconds
+from megatron_bubblespec.metrics.summary import bubble_utilization, plot_decode_breakdown
 
 # Three ranks of one step: rank 1 is the straggler (12 s), rank 2 drafted nothing it could use.
 RANKS = [
     {"rollout/time_s": 10.0, "rollout/decode_steps": 100, "rollout/decode_steps_plain": 150,
      "rollout/tokens": 160, "rollout/max_response_len": 40,
      "bubble/idle_s": 2.0, "bubble/drafting_s": 1.5, "bubble/overshoot_s": 0.1,
+     "bubble/draftable_s": 2.0,
      "spec/drafted_samples": 4, "spec/drafted_tokens": 80, "spec/accepted_tokens": 50,
      "spec/accepted_prefix_mean": 10.0, "spec/verify_s": 0.5,
      "rollout/engine_steps": 40, "spec/continuation_proposed_tokens": 12,
@@ -50,6 +52,7 @@ RANKS = [
     {"rollout/time_s": 12.0, "rollout/decode_steps": 120, "rollout/decode_steps_plain": 200,
      "rollout/tokens": 210, "rollout/max_response_len": 64,
      "bubble/idle_s": 0.0, "bubble/drafting_s": 0.0, "bubble/overshoot_s": 0.0,
+     "bubble/draftable_s": 0.0,
      "spec/drafted_samples": 6, "spec/drafted_tokens": 120, "spec/accepted_tokens": 30,
      "spec/accepted_prefix_mean": 5.0, "spec/verify_s": 0.7,
      "rollout/engine_steps": 64, "spec/continuation_proposed_tokens": 8,
@@ -60,6 +63,7 @@ RANKS = [
     {"rollout/time_s": 9.0, "rollout/decode_steps": 90, "rollout/decode_steps_plain": 90,
      "rollout/tokens": 100, "rollout/max_response_len": 30,
      "bubble/idle_s": 3.0, "bubble/drafting_s": 3.0, "bubble/overshoot_s": 0.2,
+     "bubble/draftable_s": 3.0,
      "spec/drafted_samples": 0, "spec/drafted_tokens": 0, "spec/accepted_tokens": 0,
      "spec/accepted_prefix_mean": None, "spec/verify_s": 0.1,
      "rollout/engine_steps": 30, "spec/continuation_proposed_tokens": 0,
@@ -369,3 +373,33 @@ def test_engine_steps_and_continuation_counts():
     assert [rec[f"rank{r}/rollout/engine_steps"] for r in range(3)] == [40, 64, 30]
     assert rec["spec/continuation_proposed_tokens"] == 20
     assert rec["spec/continuation_accept_rate"] == pytest.approx(11 / 20)
+
+
+def test_utilization_counts_only_bubbles_that_could_draft():
+    """At the run's last step a rank waits with nothing to draft (bubble/draftable_s = 0): that
+    bubble is left out of the utilization instead of counting as unused."""
+    drafting = {"rollout/time_s": 10.0, "bubble/idle_s": 4.0, "bubble/drafting_s": 3.0,
+                "bubble/draftable_s": 4.0}
+    last = {"rollout/time_s": 10.0, "bubble/idle_s": 5.0, "bubble/drafting_s": 0.0,
+            "bubble/draftable_s": 0.0}
+    straggler = {"rollout/time_s": 10.0, "bubble/idle_s": 0.0, "bubble/drafting_s": 0.0,
+                 "bubble/draftable_s": 0.0}
+    rec = aggregate_step(4, [drafting, straggler])
+    assert close(rec["bubble/utilization"], 3.0 / 4.0) and close(rec["rank0/bubble/draftable_s"], 4.0)
+    final = aggregate_step(5, [last, straggler])
+    assert math.isnan(final["bubble/utilization"]) and close(final["bubble/ratio"], 5.0 / 20.0)
+    assert close(bubble_utilization([rec, final]), 3.0 / 4.0)
+    assert close(run_totals([rec, final])["bubble/utilization"], 3.0 / 4.0)
+    # records written before draftable_s existed: the last step's idle time is left out
+    old = [{k: v for k, v in r.items() if "draftable" not in k} for r in (rec, final)]
+    assert close(bubble_utilization(old), 3.0 / 4.0)
+
+
+def test_decode_breakdown_plot(tmp_path):
+    on = [{"step": s, "rollout/decode_steps": 100 - 20 * s, "spec/accepted_tokens": 10 * s,
+           "spec/continuation_accepted_tokens": 5 * s} for s in range(3)]
+    off = [{"step": s, "rollout/decode_steps": 100} for s in range(3)]
+    png = plot_decode_breakdown(on, tmp_path / "d.png", baseline=off)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError):
+        plot_decode_breakdown([], tmp_path / "e.png")

@@ -20,6 +20,7 @@ SUMMED = (
     "bubble/idle_s",
     "bubble/drafting_s",
     "bubble/overshoot_s",
+    "bubble/draftable_s",
     "spec/drafted_samples",
     "spec/drafted_tokens",
     "spec/accepted_tokens",
@@ -61,7 +62,7 @@ DERIVED = (
     "rollout/engine_steps_sum",
 )
 # Also kept per rank, as "rank{r}/<key>".
-PER_RANK = ("bubble/idle_s", "bubble/drafting_s", "bubble/overshoot_s",
+PER_RANK = ("bubble/idle_s", "bubble/drafting_s", "bubble/overshoot_s", "bubble/draftable_s",
             "bubble/ratio", "bubble/utilization", "rollout/engine_steps")
 
 REPORTED = SUMMED + MAXED + MEANED + tuple(WEIGHTED) + SAME
@@ -74,6 +75,12 @@ def decode_steps_plain(response_lens: Iterable[int]) -> int:
     costs n - 1 decode steps when every token is decoded (an empty response costs none).
     """
     return sum(max(int(n) - 1, 0) for n in response_lens)
+
+
+def _draftable(metrics: Mapping[str, float | None]) -> float | None:
+    """The bubble seconds that could draft: bubble/draftable_s, else (not reported) bubble/idle_s."""
+    usable = metrics.get("bubble/draftable_s")
+    return usable if usable is not None else metrics.get("bubble/idle_s")
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float:
@@ -98,7 +105,10 @@ def aggregate_step(step: int, rank_metrics: Sequence[Mapping[str, float | None]]
     * exact/weight_version: identical on every rank, else ValueError;
     * rollout/tokens_per_s = sum tokens / T;
     * bubble/ratio = sum idle_s / (n * T);
-    * bubble/utilization = sum drafting_s / sum idle_s;
+    * bubble/utilization = sum drafting_s / sum draftable_s, the idle time of the bubbles that had
+      a next step to draft (a rank's bubble/draftable_s is its idle_s, or 0 at the run's last step
+      and wherever drafting is off), so a bubble that cannot draft counts neither way (NaN when no
+      bubble could draft); ranks that do not report draftable_s: sum drafting_s / sum idle_s;
     * spec/accept_rate = sum accepted_tokens / sum drafted_tokens;
     * spec/continuation_accept_rate = sum continuation_accepted_tokens / sum
       continuation_proposed_tokens;
@@ -106,7 +116,8 @@ def aggregate_step(step: int, rank_metrics: Sequence[Mapping[str, float | None]]
       decode_steps_plain is :func:`decode_steps_plain` of the step's responses;
     * per rank r: rank{r}/bubble/{idle_s, drafting_s, overshoot_s} and rank{r}/rollout/engine_steps
       as reported,
-      rank{r}/bubble/ratio = idle_s / T and rank{r}/bubble/utilization = drafting_s / idle_s.
+      rank{r}/bubble/ratio = idle_s / T and rank{r}/bubble/utilization = drafting_s /
+      draftable_s (or / idle_s, as above).
     """
     if not rank_metrics:
         raise ValueError(f"step {step}: no rank metrics to aggregate; pass one dict per DP rank")
@@ -151,8 +162,8 @@ def aggregate_step(step: int, rank_metrics: Sequence[Mapping[str, float | None]]
         record["rollout/tokens_per_s"] = ratio(record["rollout/tokens"], wall)
     if "bubble/idle_s" in record and wall is not None:
         record["bubble/ratio"] = ratio(record["bubble/idle_s"], len(rank_metrics) * wall)
-    if "bubble/idle_s" in record and "bubble/drafting_s" in record:
-        record["bubble/utilization"] = ratio(record["bubble/drafting_s"], record["bubble/idle_s"])
+    if "bubble/drafting_s" in record and (usable := _draftable(record)) is not None:
+        record["bubble/utilization"] = ratio(record["bubble/drafting_s"], usable)
     if values := reported("rollout/engine_steps"):
         record["rollout/engine_steps_sum"] = sum(values)
     if "spec/continuation_proposed_tokens" in record and \
@@ -168,13 +179,15 @@ def aggregate_step(step: int, rank_metrics: Sequence[Mapping[str, float | None]]
 
     for r, metrics in enumerate(rank_metrics):
         idle, drafting = metrics.get("bubble/idle_s"), metrics.get("bubble/drafting_s")
+        usable = _draftable(metrics)
         per_rank = {
             "bubble/idle_s": idle,
             "bubble/drafting_s": drafting,
             "bubble/overshoot_s": metrics.get("bubble/overshoot_s"),
+            "bubble/draftable_s": metrics.get("bubble/draftable_s"),
             "bubble/ratio": ratio(idle, wall) if idle is not None else None,
-            "bubble/utilization": (ratio(drafting, idle)
-                                   if idle is not None and drafting is not None else None),
+            "bubble/utilization": (ratio(drafting, usable)
+                                   if usable is not None and drafting is not None else None),
             "rollout/engine_steps": metrics.get("rollout/engine_steps"),
         }
         for key in PER_RANK:

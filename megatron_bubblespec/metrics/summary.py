@@ -26,7 +26,7 @@ def run_totals(records: Sequence[Record]) -> dict[str, float]:
 
     accept rate = total accepted / total drafted tokens; decode steps saved = 1 - total decode
     steps / total plain decode steps; bubble ratio = mean of the step ratios weighted by rollout
-    time (= total idle / (ranks * total rollout time)); utilization = total drafting / total idle.
+    time (= total idle / (ranks * total rollout time)); utilization: :func:`bubble_utilization`.
     """
     return {
         "train/reward_mean": mean_of(records, "train/reward_mean"),
@@ -39,9 +39,22 @@ def run_totals(records: Sequence[Record]) -> dict[str, float]:
         "spec/decode_steps_saved_frac":
             1.0 - pooled_ratio(records, "rollout/decode_steps", "rollout/decode_steps_plain"),
         "bubble/ratio": weighted_mean_of(records, "bubble/ratio", "rollout/time_s"),
-        "bubble/utilization": pooled_ratio(records, "bubble/drafting_s", "bubble/idle_s"),
+        "bubble/utilization": bubble_utilization(records),
         "policy/drift_kl": mean_of(records, "policy/drift_kl"),
     }
+
+
+def bubble_utilization(records: Sequence[Record]) -> float:
+    """Drafting share of the bubbles that could draft: total drafting / total bubble/draftable_s.
+
+    Records without bubble/draftable_s (written before it existed) count their idle time instead,
+    except the last step's (nothing after it to draft).
+    """
+    if any(math.isfinite(value(r, "bubble/draftable_s")) for r in records):
+        return pooled_ratio(records, "bubble/drafting_s", "bubble/draftable_s")
+    last = max((value(r, "step") for r in records), default=math.nan)
+    return pooled_ratio([r for r in records if value(r, "step") < last],
+                        "bubble/drafting_s", "bubble/idle_s")
 
 
 # (header, metric, formatter) of the summary table, in column order.
@@ -202,3 +215,39 @@ def plot_run(records: Sequence[Record], path_png: str | Path,
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     return path
+
+
+def plot_decode_breakdown(records: Sequence[Record], path_png: str | Path,
+                          baseline: Sequence[Record] | None = None) -> Path:
+    """Write one PNG: per step, where the response tokens of the run came from, stacked: tokens of
+    the verified draft prefix (no decode step), tokens accepted by speculative continuation (several
+    per decode step) and decode steps run; ``baseline`` (BubbleSpec off) decode steps as a line."""
+    if not records:
+        raise ValueError("plot_decode_breakdown needs at least one step record")
+    steps, prefix = _series(records, "spec/accepted_tokens")
+    _, continued = _series(records, "spec/continuation_accepted_tokens")
+    _, decoded = _series(records, "rollout/decode_steps")
+    prefix, continued, decoded = ([0.0 if math.isnan(x) else x for x in xs]
+                                  for xs in (prefix, continued, decoded))
+    fig = Figure(figsize=(9, 5), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    ax.set_title("Where the decode steps went, per step")
+    ax.bar(steps, decoded, width=0.7, color="#2a6f97", label="decoded (decode steps run)")
+    ax.bar(steps, prefix, width=0.7, bottom=decoded, color="#e9c46a",
+           label="draft prefix accepted (tokens)")
+    ax.bar(steps, continued, width=0.7, bottom=[a + b for a, b in zip(decoded, prefix)],
+           color="#2a9d8f", label="continuation accepted (tokens)")
+    tops = [a + b + c for a, b, c in zip(decoded, prefix, continued)]
+    if baseline:
+        base_steps, base = _series(baseline, "rollout/decode_steps")
+        ax.plot(base_steps, base, "k_", markersize=28, markeredgewidth=2,
+                label="decode steps, BubbleSpec off")
+        tops += finite_values(base)
+    _headroom(ax, tops)
+    ax.set_xlabel("step")
+    ax.set_ylabel("decode steps / tokens, summed over samples")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    _legend(ax)
+    fig.savefig(path_png)
+    return Path(path_png)
