@@ -15,7 +15,8 @@ TINY = ROOT / "configs" / "tiny.yaml"
 
 RATIOS = ("decode_steps_ratio", "rollout_time_ratio", "throughput_ratio",
           "throughput_ratio_with_verify", "verify_overhead_frac", "bubble_ratio_off",
-          "bubble_utilization", "accepted_prefix_mean", "accept_rate")
+          "bubble_utilization", "accepted_prefix_mean", "accept_rate", "draft_len_mean",
+          "draft_coverage", "accepted_coverage")
 KEYS = RATIOS + ("token_mismatch", "token_mismatch_samples", "lr", "policy_drift_kl_mean",
                  "machine", "config", "overrides", "series")
 
@@ -50,8 +51,10 @@ def test_bench_writes_markdown_and_plot(result):
     md = (out / "bench.md").read_text()
     assert "decode steps on / off" in md and "token mismatch" in md and "## Per step" in md
     assert md.count("\n| 2 |") == 1  # one per-step row per step
-    png = out / "bench.png"
-    assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "bench_decode.png" in md
+    for name in ("bench.png", "bench_decode.png"):
+        png = out / name
+        assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_token_mismatch_counts_positions_lengths_and_missing_samples():
@@ -81,3 +84,16 @@ def test_bench_parser_wiring():
     args = parser.parse_args(["bench", "--config", "c.yaml", "--out", "o", "run.steps=2"])
     assert (args.config, args.out, args.overrides) == ("c.yaml", "o", ["run.steps=2"])
     assert args.func.__name__ == "cmd_bench"
+
+
+def test_draft_length_coverage_and_utilization_of_drafting_bubbles():
+    on = [{"step": 0, "rollout/tokens": 50, "bubble/idle_s": 4.0, "bubble/drafting_s": 3.0,
+           "rollout/time_s": 5.0},
+          {"step": 1, "rollout/tokens": 100, "spec/drafted_tokens": 60, "spec/drafted_samples": 3,
+           "spec/accepted_tokens": 30, "spec/continuation_accepted_tokens": 20,
+           "bubble/idle_s": 6.0, "bubble/drafting_s": 0.0, "rollout/time_s": 5.0}]
+    r = compare(on, on)
+    assert r["draft_len_mean"] == pytest.approx(20.0)
+    assert r["draft_coverage"] == pytest.approx(0.6)
+    assert r["accepted_coverage"] == pytest.approx(0.5)
+    assert r["bubble_utilization"] == pytest.approx(0.75)  # the last step's bubble cannot draft

@@ -16,9 +16,15 @@ prompts and sampling keys), trains each as its own run under ``out_dir`` (run na
   ``verify_overhead_frac`` = on verify time / on rollout time;
 * bubble, over all steps (the drafts of step t are made in the bubble of step t - 1):
   ``bubble_ratio_off`` = idle share of the off run's rank rollout time (the bubble there is to use),
-  ``bubble_ratio_on``, ``bubble_utilization`` = on drafting time / on idle time;
+  ``bubble_ratio_on``, ``bubble_utilization`` = on drafting time / on idle time of the bubbles
+  that could draft (:func:`megatron_bubblespec.metrics.summary.bubble_utilization`: the last step
+  has nothing to draft);
 * drafts, over all steps: ``accepted_prefix_mean`` (weighted by drafted samples), ``accept_rate``
-  (accepted / drafted tokens), ``drafted_tokens``, ``accepted_tokens``; speculative continuation
+  (accepted / drafted tokens), ``drafted_tokens``, ``accepted_tokens``, ``draft_len_mean`` (drafted
+  tokens / drafted samples), ``draft_coverage`` (drafted tokens / on response tokens, steps >= 1:
+  the share of the responses the bubbles drafted; a draft longer than its response counts in
+  full), ``accepted_coverage`` ((prefix + continuation accepted tokens) / on response tokens,
+  steps >= 1); speculative continuation
   (rollout proposals from the prompt's drafts): ``continuation_proposed_tokens``,
   ``continuation_accepted_tokens``, ``continuation_accept_rate`` (accepted / proposed);
 * exactness: ``token_mismatch`` = response token positions that differ between the two runs over
@@ -48,6 +54,7 @@ from megatron_bubblespec.metrics.aggregate import ratio
 from megatron_bubblespec.metrics.formatting import (count, number, percent, scientific, seconds,
                                                     value)
 from megatron_bubblespec.metrics.reduce import finite_values, mean_of, total_of, weighted_mean_of
+from megatron_bubblespec.metrics.summary import bubble_utilization, plot_decode_breakdown
 
 Record = Mapping[str, object]
 
@@ -72,6 +79,9 @@ SUMMARY_ROWS = (
     ("accepted prefix mean (tokens)", "accepted_prefix_mean", number),
     ("accept rate (accepted / drafted tokens)", "accept_rate", percent),
     ("drafted tokens", "drafted_tokens", count),
+    ("draft length mean (tokens per drafted sample)", "draft_len_mean", number),
+    ("drafted share of the responses (steps >= 1)", "draft_coverage", percent),
+    ("accepted share of the responses (steps >= 1)", "accepted_coverage", percent),
     ("accepted tokens", "accepted_tokens", count),
     ("continuation proposed tokens", "continuation_proposed_tokens", count),
     ("continuation accepted tokens", "continuation_accepted_tokens", count),
@@ -134,6 +144,8 @@ def compare(on: Sequence[Record], off: Sequence[Record]) -> dict:
     t_on, t_off = total_of(on1, "rollout/time_s"), total_of(off1, "rollout/time_s")
     verify = total_of(on1, "spec/verify_s")
     verify_0 = 0.0 if math.isnan(verify) else verify
+    tokens_on = total_of(on1, "rollout/tokens")
+    continued_1 = total_of(on1, "spec/continuation_accepted_tokens")
 
     def bubble_ratio(records):
         # mean of the step ratios weighted by rollout time = idle / (ranks x total rollout time)
@@ -158,12 +170,17 @@ def compare(on: Sequence[Record], off: Sequence[Record]) -> dict:
         "verify_overhead_frac": ratio(verify, t_on),
         "bubble_ratio_off": bubble_ratio(off),
         "bubble_ratio_on": bubble_ratio(on),
-        "bubble_utilization": ratio(total_of(on, "bubble/drafting_s"), total_of(on, "bubble/idle_s")),
+        "bubble_utilization": bubble_utilization(on),
         "accepted_prefix_mean": weighted_mean_of(on, "spec/accepted_prefix_mean",
                                                "spec/drafted_samples"),
         "accept_rate": ratio(total_of(on, "spec/accepted_tokens"), total_of(on, "spec/drafted_tokens")),
         "drafted_tokens": total_of(on, "spec/drafted_tokens"),
         "accepted_tokens": total_of(on, "spec/accepted_tokens"),
+        "draft_len_mean": ratio(total_of(on, "spec/drafted_tokens"),
+                                total_of(on, "spec/drafted_samples")),
+        "draft_coverage": ratio(total_of(on1, "spec/drafted_tokens"), tokens_on),
+        "accepted_coverage": ratio(total_of(on1, "spec/accepted_tokens") + (
+            0.0 if math.isnan(continued_1) else continued_1), tokens_on),
         "continuation_proposed_tokens": proposed,
         "continuation_accepted_tokens": continued,
         "continuation_accept_rate": ratio(continued, proposed),
@@ -259,6 +276,10 @@ def markdown(result: Mapping[str, object]) -> str:
         "",
         markdown_steps(result["series"]["on"], result["series"]["off"]),
         "",
+        "## Where the decode steps went (on run; line: decode steps of the off run)",
+        "",
+        "![decode steps per step](bench_decode.png)",
+        "",
     ])
 
 
@@ -296,6 +317,7 @@ def bench(config_path: str | Path, out_dir: str | Path, overrides: Sequence[str]
     (out / "bench.json").write_text(text + "\n")
     (out / "bench.md").write_text(markdown(result))
     plot_run(on, out / "bench.png", baseline=off)
+    plot_decode_breakdown(on, out / "bench_decode.png", baseline=off)
     return result
 
 
@@ -323,7 +345,7 @@ def cmd_bench(args) -> int:
         print(f"bubblespec bench: config error: {err}", file=sys.stderr)
         return 2
     print(markdown_summary(result))
-    print(f"bench files: {Path(args.out) / 'bench.json'}, bench.md, bench.png")
+    print(f"bench files: {Path(args.out) / 'bench.json'}, bench.md, bench.png, bench_decode.png")
     return 0
 
 
