@@ -97,3 +97,6 @@ def test_draft_length_coverage_and_utilization_of_drafting_bubbles():
     assert r["draft_coverage"] == pytest.approx(0.6)
     assert r["accepted_coverage"] == pytest.approx(0.5)
     assert r["bubble_utilization"] == pytest.approx(0.75)  # the last step's bubble cannot draft
+    assert r["accept_per_token"] == pytest.approx(30 / 33)
+    assert r["decode_steps_ratio_ceiling"] == pytest.approx(1 - 30 / 33 * 0.6)
+    assert r["decode_steps_ratio_ceiling_full_coverage"] == pytest.approx(1 - 30 / 33)

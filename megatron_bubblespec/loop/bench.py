@@ -24,7 +24,11 @@ prompts and sampling keys), trains each as its own run under ``out_dir`` (run na
   tokens / drafted samples), ``draft_coverage`` (drafted tokens / on response tokens, steps >= 1:
   the share of the responses the bubbles drafted; a draft longer than its response counts in
   full), ``accepted_coverage`` ((prefix + continuation accepted tokens) / on response tokens,
-  steps >= 1); speculative continuation
+  steps >= 1); the ceiling (:mod:`megatron_bubblespec.sim.ceiling`): ``accept_per_token`` (a lower
+  bound from the verified prefixes), ``decode_steps_ratio_ceiling`` = 1 - accept_per_token x
+  draft_coverage (the lowest decode steps ratio exact verification allows with these drafts) and
+  ``decode_steps_ratio_ceiling_full_coverage`` = 1 - accept_per_token (drafts covering every
+  response); speculative continuation
   (rollout proposals from the prompt's drafts): ``continuation_proposed_tokens``,
   ``continuation_accepted_tokens``, ``continuation_accept_rate`` (accepted / proposed);
 * exactness: ``token_mismatch`` = response token positions that differ between the two runs over
@@ -55,6 +59,7 @@ from megatron_bubblespec.metrics.formatting import (count, number, percent, scie
                                                     value)
 from megatron_bubblespec.metrics.reduce import finite_values, mean_of, total_of, weighted_mean_of
 from megatron_bubblespec.metrics.summary import bubble_utilization, plot_decode_breakdown
+from megatron_bubblespec.sim.ceiling import accept_per_token_lower_bound, decode_steps_ratio_ceiling
 
 Record = Mapping[str, object]
 
@@ -82,6 +87,10 @@ SUMMARY_ROWS = (
     ("draft length mean (tokens per drafted sample)", "draft_len_mean", number),
     ("drafted share of the responses (steps >= 1)", "draft_coverage", percent),
     ("accepted share of the responses (steps >= 1)", "accepted_coverage", percent),
+    ("per-token acceptance (lower bound, from the prefixes)", "accept_per_token", percent),
+    ("decode steps on / off ceiling with these drafts", "decode_steps_ratio_ceiling", number),
+    ("decode steps on / off ceiling, drafts covering all", "decode_steps_ratio_ceiling_full_coverage",
+     number),
     ("accepted tokens", "accepted_tokens", count),
     ("continuation proposed tokens", "continuation_proposed_tokens", count),
     ("continuation accepted tokens", "continuation_accepted_tokens", count),
@@ -146,6 +155,9 @@ def compare(on: Sequence[Record], off: Sequence[Record]) -> dict:
     verify_0 = 0.0 if math.isnan(verify) else verify
     tokens_on = total_of(on1, "rollout/tokens")
     continued_1 = total_of(on1, "spec/continuation_accepted_tokens")
+    coverage = ratio(total_of(on1, "spec/drafted_tokens"), tokens_on)
+    per_token = accept_per_token_lower_bound(total_of(on1, "spec/accepted_tokens"),
+                                             total_of(on1, "spec/drafted_samples"))
 
     def bubble_ratio(records):
         # mean of the step ratios weighted by rollout time = idle / (ranks x total rollout time)
@@ -178,7 +190,10 @@ def compare(on: Sequence[Record], off: Sequence[Record]) -> dict:
         "accepted_tokens": total_of(on, "spec/accepted_tokens"),
         "draft_len_mean": ratio(total_of(on, "spec/drafted_tokens"),
                                 total_of(on, "spec/drafted_samples")),
-        "draft_coverage": ratio(total_of(on1, "spec/drafted_tokens"), tokens_on),
+        "draft_coverage": coverage,
+        "accept_per_token": per_token,
+        "decode_steps_ratio_ceiling": decode_steps_ratio_ceiling(per_token, coverage),
+        "decode_steps_ratio_ceiling_full_coverage": decode_steps_ratio_ceiling(per_token, 1.0),
         "accepted_coverage": ratio(total_of(on1, "spec/accepted_tokens") + (
             0.0 if math.isnan(continued_1) else continued_1), tokens_on),
         "continuation_proposed_tokens": proposed,
