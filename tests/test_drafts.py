@@ -49,11 +49,13 @@ def test_select_keeps_mine_and_drops_bad_ones():
               Draft(5, 12, 3, (1,)),             # wrong key: dropped
               Draft(2, 9, 2, (1, 500)),          # token outside the vocabulary: dropped
               Draft(0, -5, 3, (9,))]             # second draft for sample 0: dropped
-    with pytest.warns(UserWarning) as caught:
+    with pytest.warns(Warning) as caught:
         kept = select_drafts(drafts, expected, vocab_size=100, max_tokens=10)
     assert set(kept) == {0} and kept[0].tokens == (1, 2, 3)
     assert len(caught) == 3
-    long = select_drafts([Draft(2, 9, 2, (1, 2, 3) * 10)], expected, vocab_size=100, max_tokens=10)
+    with pytest.warns(RuntimeWarning, match="truncated"):
+        long = select_drafts([Draft(2, 9, 2, (1, 2, 3) * 10)], expected, vocab_size=100,
+                             max_tokens=10)
     assert long[2].tokens == ((1, 2, 3) * 10)[:10]
 
 

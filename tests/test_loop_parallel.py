@@ -88,6 +88,7 @@ def test_rollout_tensor_parallelism_drafts_and_steps_in_lockstep(layout_runs):
     assert max(r["sync/logprob_abs_diff"] for r in records) < 1e-3
 
 
+@pytest.mark.slow
 def test_sigterm_ends_a_rank_stuck_at_start_up_and_names_its_stage(tmp_path):
     """Rank 0 of a 2-rank world whose rank 1 never comes waits inside the rendezvous (C++, no
     Python runs there); SIGTERM must still end it after the grace period, saying where it was."""

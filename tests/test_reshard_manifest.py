@@ -3,6 +3,7 @@ start) before every transfer: a parameter whose dtype or shape changed, or that 
 another tensor object, fails the transfer with a message instead of sending what the engine does
 not expect."""
 
+import pytest
 import torch
 
 from megatron_bubblespec.distributed import destroy_distributed, init_distributed, megatron_cpu_mode
@@ -11,6 +12,9 @@ from megatron_bubblespec.models.architecture import load_checkpoint, make_tiny_c
 from megatron_bubblespec.train.model import build_gpt_model
 from megatron_bubblespec.train.reshard import Resharder
 from megatron_bubblespec.train.sharding import load_hf_weights
+
+
+pytestmark = pytest.mark.slow
 
 
 def _manifest_worker(path):

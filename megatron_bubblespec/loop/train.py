@@ -16,7 +16,6 @@ rank dies, the launcher names it and the stage it died in.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 from megatron_bubblespec.config import Config, to_yaml
 from megatron_bubblespec.distributed import destroy_distributed
 from megatron_bubblespec.distributed.launch import RankFailure, launch_local
+from megatron_bubblespec.logs import route_third_party_output
 from megatron_bubblespec.loop.checkpoint import (checkpoint_root, load_checkpoint_into,
                                                   resolve_resume, save_checkpoint)
 from megatron_bubblespec.loop.heartbeat import (EXIT_PREEMPTED, Heartbeat, PreemptionFlag,
@@ -31,7 +31,7 @@ from megatron_bubblespec.loop.heartbeat import (EXIT_PREEMPTED, Heartbeat, Preem
 from megatron_bubblespec.loop.replica import build_replica
 from megatron_bubblespec.loop.step import gather_step, run_step
 from megatron_bubblespec.metrics import (MetricsWriter, RunProgress, aggregate_step, plot_run,
-                                         print_summary, read_metrics)
+                                         print_summary, read_metrics, to_json)
 from megatron_bubblespec.train.checkpoint import check_checkpointable
 from megatron_bubblespec.train.export import export_final
 
@@ -57,8 +57,7 @@ def _history(out_dir: Path, start_step: int) -> tuple[list[dict], list[dict]]:
         if entry["step"] < start_step:
             rollouts.append({int(g): t for g, t in entry["responses"].items()})
     with open(out_dir / "metrics.jsonl", "w") as f:
-        f.writelines(json.dumps({k: None if isinstance(v, float) and math.isnan(v) else v
-                                 for k, v in r.items()}) + "\n" for r in records)
+        f.writelines(to_json(r) + "\n" for r in records)
     with open(out_dir / "rollouts.jsonl", "w") as f:
         f.writelines(_rollout_line(step, responses) for step, responses in enumerate(rollouts))
     return records, rollouts
@@ -90,6 +89,7 @@ def train_rank(cfg: Config, return_weights: bool = False) -> dict | None:
     # vLLM reads its log level when first imported (in build_replica): keep the console for the
     # progress display unless the user asked for vLLM's own logs.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    route_third_party_output(run_dir(cfg))
     out_dir = run_dir(cfg)
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
     heartbeat = Heartbeat(out_dir / "heartbeat", rank, cfg.run.stall_timeout_s)

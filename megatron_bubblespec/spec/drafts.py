@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_bubblespec.spec.validate import verifiable_draft
+
 HEADER = 4
 
 
@@ -140,7 +142,8 @@ def select_drafts(drafts: list[Draft], expected_keys: dict[int, int], vocab_size
     """Keep the drafts of my samples (``expected_keys``: sample index -> key).
 
     Drafts for unknown samples, with a key that is not the sample's, or with token ids outside
-    the vocabulary are dropped with a warning; drafts longer than ``max_tokens`` are truncated.
+    the vocabulary are dropped with a warning; drafts longer than ``max_tokens`` are truncated
+    (``spec.validate.verifiable_draft``).
     """
     kept: dict[int, Draft] = {}
     for d in drafts:
@@ -150,12 +153,12 @@ def select_drafts(drafts: list[Draft], expected_keys: dict[int, int], vocab_size
             warnings.warn(f"draft for sample {d.sample_index} carries key {d.key}, expected "
                           f"{expected_keys[d.sample_index]}; dropped")
             continue
-        if any(t < 0 or t >= vocab_size for t in d.tokens):
-            warnings.warn(f"draft for sample {d.sample_index} has token ids outside [0, "
-                          f"{vocab_size}); dropped")
-            continue
         if d.sample_index in kept:
             warnings.warn(f"two drafts for sample {d.sample_index}; keeping the first")
             continue
-        kept[d.sample_index] = Draft(d.sample_index, d.key, d.weight_version, d.tokens[:max_tokens])
+        tokens = verifiable_draft(d.tokens, vocab_size, max_tokens,
+                                  f"draft for sample {d.sample_index}")
+        if tokens is None:
+            continue
+        kept[d.sample_index] = Draft(d.sample_index, d.key, d.weight_version, tuple(tokens))
     return kept

@@ -44,8 +44,11 @@ import torch.distributed as dist
 from megatron_bubblespec.distributed.cpu_compat import megatron_cpu_mode
 from megatron_bubblespec.models.architecture import ModelSpec
 from megatron_bubblespec.tokens import pad_token_rows
-from megatron_bubblespec.train.forward import megatron_forward
+from megatron_bubblespec.train.forward import (context_parallel_gather, context_parallel_length,
+                                               context_parallel_split, megatron_forward,
+                                               model_config)
 from megatron_bubblespec.train.grpo import GRPOConfig, grpo_loss
+from megatron_bubblespec.train.model import context_parallel_size
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,13 @@ class GRPOBatch:
         pick = lambda t: None if t is None else t[index]  # noqa: E731
         return GRPOBatch(self.tokens[index], self.response_mask[index], self.old_logprobs[index],
                          self.advantages[index], pick(self.ref_logprobs))
+
+    def padded_to(self, width: int) -> "GRPOBatch":
+        """Right-padded to ``width`` tokens (pad id 0; padding is outside the response mask)."""
+        pad = lambda t: None if t is None else torch.nn.functional.pad(  # noqa: E731
+            t, (0, width - t.shape[1]))
+        return GRPOBatch(pad(self.tokens), pad(self.response_mask), pad(self.old_logprobs),
+                         self.advantages, pad(self.ref_logprobs))
 
     def dp_shard(self, rank: int, size: int) -> "GRPOBatch":
         """Data-parallel rank ``rank``'s contiguous share of a global batch (groups stay whole
@@ -187,10 +197,18 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int,
     entropy at j is that of the same distribution (metric only, no gradient). Ids >= vocab_size
     (Megatron's padding) get probability 0.
     """
+    logp, entropy = label_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size, with_entropy)
+    return (torch.nn.functional.pad(logp, (1, 0)),
+            None if entropy is None else torch.nn.functional.pad(entropy, (1, 0)))
+
+
+def label_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Vocab-parallel logits [b, s, V/TP] -> log p(labels[:, j]) from the logits at j [b, s] (and
+    the entropies at j): ``token_logprobs`` without the shift, for sequences split over CP."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    logits = logits[:, :-1]
     padding = _vocab_shard_padding(logits, vocab_size)
     logits = logits.masked_fill(padding, float("-inf")) if padding is not None else logits
     logits = logits.contiguous()
@@ -206,11 +224,10 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int,
             sums = torch.stack([weights.sum(-1),
                                 torch.where(weights > 0, weights * shifted, 0.0).sum(-1)])
             dist.all_reduce(sums, group=group)
-            entropy = torch.nn.functional.pad(torch.log(sums[0]) - sums[1] / sums[0], (1, 0))
+            entropy = torch.log(sums[0]) - sums[1] / sums[0]
     # vocab_parallel_cross_entropy overwrites its input: ``logits`` is a copy made above, or (one
-    # sequence, no padding) a view of the model output that nothing reads afterwards.
-    logp = -vocab_parallel_cross_entropy(logits, tokens[:, 1:])
-    return torch.nn.functional.pad(logp, (1, 0)), entropy
+    # sequence, no padding) the model output (or a view of it) that nothing reads afterwards.
+    return -vocab_parallel_cross_entropy(logits, labels), entropy
 
 
 def _broadcast_from_last_stage(tensor: torch.Tensor | None, shape, device) -> torch.Tensor:
@@ -351,6 +368,11 @@ class MegatronTrainer:
             batch = replace(batch, ref_logprobs=self.reference_logprobs(batch.tokens,
                                                                         batch.response_mask))
         batch = batch.to(self.device)
+        cp = context_parallel_size() > 1
+        if cp:   # whole 2 x CP chunks; the padding is outside the response mask
+            batch = batch.padded_to(context_parallel_length(
+                seq, model_config(self.module).sequence_parallel))
+        padded_seq = batch.tokens.shape[1]
         micro_batches = iter([batch.rows(slice(i, i + mbs)) for i in range(0, size, mbs)])
         grpo, vocab = self.config.grpo, self.spec.vocab_size
         names: list[str] = []
@@ -358,17 +380,28 @@ class MegatronTrainer:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            positions = torch.arange(seq, device=mb.tokens.device).expand_as(mb.tokens)
-            output = model(mb.tokens, positions, None)
+            tokens, old, mask, ref = mb.tokens, mb.old_logprobs, mb.response_mask, mb.ref_logprobs
+            positions = torch.arange(padded_seq, device=tokens.device).expand_as(tokens)
+            labels = None
+            if cp:   # this CP rank's share; a token's values move to the position predicting it
+                shift = lambda t: torch.nn.functional.pad(t[:, 1:], (0, 1))  # noqa: E731
+                labels, old, mask = shift(tokens), shift(old), shift(mask)
+                ref = None if ref is None else shift(ref)
+                tokens, positions, labels, old, mask, *rest = context_parallel_split(
+                    tokens, positions, labels, old, mask, *([] if ref is None else [ref]))
+                ref = rest[0] if rest else None
+            output = model(tokens, positions, None)
 
             def loss_func(logits):
-                logp, entropy = token_logprobs(logits, mb.tokens, vocab, with_entropy=True)
+                if cp:
+                    logp, entropy = label_logprobs(logits, labels, vocab, with_entropy=True)
+                else:
+                    logp, entropy = token_logprobs(logits, tokens, vocab, with_entropy=True)
                 step_logprobs.append(logp.detach().float())
-                loss_sum, sums = grpo_loss(logp, mb.old_logprobs, mb.advantages, mb.response_mask,
-                                           grpo, ref_logp=mb.ref_logprobs, entropy=entropy,
-                                           num_tokens=1.0)
+                loss_sum, sums = grpo_loss(logp, old, mb.advantages, mask, grpo, ref_logp=ref,
+                                           entropy=entropy, num_tokens=1.0)
                 names[:] = sorted(sums)
-                count = mb.response_mask.sum().to(torch.int)
+                count = mask.sum().to(torch.int)
                 return loss_sum, count, torch.stack([sums[k].float() for k in names])
 
             return output, loss_func
@@ -380,16 +413,18 @@ class MegatronTrainer:
             self.optimizer.zero_grad()
             sums = get_forward_backward_func()(
                 forward_step_func=forward_step, data_iterator=micro_batches, model=[self.model],
-                num_microbatches=size // mbs, seq_length=seq, micro_batch_size=mbs,
+                num_microbatches=size // mbs, seq_length=padded_seq, micro_batch_size=mbs,
                 forward_only=False)
             updated, grad_norm, _ = self.optimizer.step()
             if updated:
                 self.scheduler.step(increment=1)
                 self.steps += 1
         metrics = self._global_metrics(names, sums if ps.is_pipeline_last_stage() else None)
-        self.last_logprobs = _broadcast_from_last_stage(
-            torch.cat(step_logprobs) if step_logprobs else None, (size, seq),
-            self.device).cpu() * batch.response_mask.cpu()
+        step = torch.cat(step_logprobs) if step_logprobs else None
+        if cp and step is not None:   # label-aligned CP shares -> whole token-aligned rows
+            step = torch.nn.functional.pad(context_parallel_gather(step), (1, 0))[:, :seq]
+        self.last_logprobs = _broadcast_from_last_stage(step, (size, seq), self.device).cpu() \
+            * batch.response_mask[:, :seq].cpu()
         metrics.update({
             "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
             "train/lr": lr,
@@ -411,8 +446,8 @@ class MegatronTrainer:
         total = None
         if sums is not None:
             total = torch.stack(sums).sum(0)
-            if ps.get_data_parallel_world_size() > 1:
-                dist.all_reduce(total, group=ps.get_data_parallel_group())
+            if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
+                dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
         total = _broadcast_from_last_stage(total, (len(names),), self.device)
         values = dict(zip(names, total.tolist()))
         count = values["train/num_tokens"]
