@@ -128,3 +128,17 @@ def test_simulate_cli_names_a_missing_bench(tmp_path, capsys):
 
     assert main(["simulate", "--bench", str(tmp_path / "nope.json")]) == 2
     assert "no such file" in capsys.readouterr().err
+
+
+def test_continuation_saves_decode_steps_past_the_verified_prefix():
+    """Same lengths and acceptance: continuation over the covered rest of each response
+    decodes fewer steps than the prefix alone."""
+    from megatron_bubblespec.sim.model import tokens_per_continuation_step
+
+    assert tokens_per_continuation_step(1.0, 4) == 5.0
+    assert tokens_per_continuation_step(0.0, 4) == 1.0
+    assert tokens_per_continuation_step(0.5, 2) == pytest.approx(1.75)
+    runs = [simulate(setting(ranks=16, accept_prob=0.9, continuation_k=k), COSTS, LONG_TAIL,
+                     steps=8, seed=3) for k in (0, 4)]
+    prefix, continued = (r["decode_steps_ratio"] for r in runs)
+    assert continued < prefix < 1.0

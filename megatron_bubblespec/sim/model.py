@@ -22,11 +22,15 @@ twice on the same response lengths (BubbleSpec off and on, as ``bubblespec bench
   the verifier's correction (or bonus) token, so its rollout starts from ``min(a + 1, n)`` known
   tokens and needs ``max(n - a - 2, 0)`` decode steps instead of ``n - 1``; a rank with drafts first
   pays a verify forward (``StepCosts.verify``);
+* speculative continuation (``continuation_k`` > 0): past the verified prefix, the ``m`` response
+  positions the draft still covers are proposed ``k`` at a time and each agrees with probability
+  ``accept_prob``, so a decode step there yields ``(1 - p^(k+1)) / (1 - p)`` tokens on average and
+  those positions cost ``ceil(m / that)`` decode steps instead of ``m``;
 * after the barrier: the drafting ranks finish their engine step in flight (overshoot), then train
   (cost per token of the rank with the most tokens) and reshard (a constant).
 
-Not modelled: speculative continuation after a divergence (decode steps saved beyond ``a + 1``),
-chunked prefill, prefill cost growing with the square of the prompt, preemption or KV-cache limits,
+Not modelled: continuation proposals from sibling drafts beyond the sample's own draft, the higher
+cost of a k-token verify step over a plain decode step (a CPU cost), chunked prefill, prefill cost growing with the square of the prompt, preemption or KV-cache limits,
 the all-gather of drafts, and any dependence of acceptance on policy drift beyond one per-token
 probability. Rank timing noise is one lognormal factor per rank and step, independent of the rest.
 """
@@ -153,12 +157,15 @@ class Setting:
     draft_chunk: int = 2              # spec.draft_chunk
     jitter: float = 0.0               # log-sd of a rank's rollout speed, drawn per rank and step
     spec: bool = True
+    continuation_k: int = 0           # spec.spec_k with spec.speculative_continuation, else 0
 
     def __post_init__(self):
         for name in ("ranks", "samples_per_rank", "max_new_tokens", "draft_concurrency",
                      "draft_chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"setting {name} must be >= 1, got {getattr(self, name)}")
+        if self.continuation_k < 0:
+            raise ValueError(f"continuation_k must be >= 0, got {self.continuation_k}")
         if self.jitter < 0:
             raise ValueError(f"jitter must be >= 0, got {self.jitter}")
         if not 0.0 <= self.accept_prob <= 1.0:
@@ -227,6 +234,14 @@ def accepted_prefix(rng: np.random.Generator, drafted: np.ndarray,
     return np.minimum(run, drafted).astype(np.int64)
 
 
+def tokens_per_continuation_step(accept_prob: float, k: int) -> float:
+    """Mean tokens a decode step yields when it verifies ``k`` proposals that each agree with
+    probability ``accept_prob``: the agreeing run before the first miss, plus one drawn token."""
+    if accept_prob >= 1.0:
+        return float(k + 1)
+    return (1.0 - accept_prob ** (k + 1)) / (1.0 - accept_prob)
+
+
 def _speed(rng: np.random.Generator, ranks: int, jitter: float) -> np.ndarray:
     if jitter == 0:
         return np.ones(ranks)
@@ -267,6 +282,10 @@ def simulate(setting: Setting, costs: StepCosts, lengths: LengthModel | None = N
         accepted = accepted_prefix(rng, verified, setting.accept_prob)
         known = np.where(verified > 0, np.minimum(accepted + 1, n), 0)
         decode_on = np.maximum(n - known - 1, 0)
+        if setting.continuation_k:
+            covered = np.maximum(np.minimum(verified, n) - known, 0)
+            per_step = tokens_per_continuation_step(setting.accept_prob, setting.continuation_k)
+            decode_on = np.maximum(decode_on - covered + np.ceil(covered / per_step), 0)
         verify = np.where((verified > 0).any(axis=-1), costs.verify_s + costs.verify_token_s
                           * np.where(verified > 0, P + verified, 0).sum(axis=-1), 0.0)
         roll_on = engine.rollout(decode_on, known, P) * _speed(rng, R, setting.jitter)
