@@ -24,6 +24,8 @@ from megatron_bubblespec.rollout.bench import (  # noqa: E402
     write_report,
 )
 
+pytestmark = pytest.mark.slow
+
 BATCH_SIZES = [1, 2]
 PROMPT_LEN = 8
 NEW_TOKENS = 8

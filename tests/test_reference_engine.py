@@ -14,6 +14,8 @@ from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams, keyed_sample, sample_key
 from megatron_bubblespec.spec.pool import DraftPool
 
+pytestmark = pytest.mark.slow
+
 NEW_TOKENS = 64
 PARAMS = [SamplingParams(0.0), SamplingParams(1.0), SamplingParams(0.8, top_k=20, top_p=0.9)]
 

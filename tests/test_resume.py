@@ -20,6 +20,8 @@ from megatron_bubblespec.loop.checkpoint import COMPLETE, latest_checkpoint
 from megatron_bubblespec.loop.heartbeat import EXIT_PREEMPTED
 from megatron_bubblespec.loop.train import train
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
 QUIET = ["logging.progress=false", "logging.plot=false", "logging.tensorboard=false"]

@@ -27,6 +27,8 @@ from megatron_bubblespec.sampling import SamplingParams, sample_key  # noqa: E40
 from megatron_bubblespec.sampling.requests import RolloutRequest  # noqa: E402
 from megatron_bubblespec.spec.pool import Continuation, DraftPool  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 VOCAB = 256
 MAX_NEW = 48
 SPEC_K = 4

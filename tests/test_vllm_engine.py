@@ -41,6 +41,8 @@ from megatron_bubblespec.sampling import (  # noqa: E402
     sample_key,
 )
 
+pytestmark = pytest.mark.slow
+
 VOCAB = 256
 MAX_NEW = 64
 MAX_MODEL_LEN = 512

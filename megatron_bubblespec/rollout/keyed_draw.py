@@ -5,9 +5,8 @@ every row in float64; at a 49k-152k vocabulary on (k + 1) rows per request that 
 the forward on a CPU. This module returns the same tokens, bit for bit, by computing the noise only
 where it can matter:
 
-* The noise is bounded: a float32 u below 1 is at most 1 - 2**-24, so g = -log(-log u) <= G_MAX
-  (about 16.6); u that rounds to exactly 1.0 (g = +inf) is found by inverting the hash (see
-  ``_tokens_with_infinite_noise``). A token whose scaled logit plus G_MAX is below the exact score
+* The noise is bounded: the sampler's u is at most 1 - 2**-24, so g = -log(-log u) <= G_MAX
+  (about 16.6). A token whose scaled logit plus G_MAX is below the exact score
   of some token cannot win. The exact scores of each row's best ``PROBE`` allowed tokens give that
   bar; the noise is then hashed for the tokens above it (SmolLM2 at T = 1: about a tenth of the
   vocabulary; with top-p 0.9: the nucleus, a few tokens) and the argmax taken among them, ties to
@@ -29,45 +28,12 @@ from __future__ import annotations
 import torch
 
 from megatron_bubblespec.sampling import SamplingParams, keyed_sample
-from megatron_bubblespec.sampling.keyed import MASK32, row_words, uniform_at
+from megatron_bubblespec.sampling.keyed import uniform_at
 
 PROBE = 8            # tokens per row whose exact scores set the bar
 _PAD = 64            # element multiple of the gathered tensors (whole vector iterations)
-_U_MAX = 1.0 - 2.0 ** -24   # the largest float32 below 1.0: bounds every finite g
+_U_MAX = 1.0 - 2.0 ** -24   # the sampler's largest u (the largest float32 below 1.0)
 _MARGIN = 1e-3       # G_MAX is rounded up by this much: a superset of candidates is harmless
-
-
-_M1, _M2 = 0x7FEB352D, 0x846CA68B       # sampling.keyed's lowbias32 multipliers
-_M1_INV, _M2_INV = pow(_M1, -1, 1 << 32), pow(_M2, -1, 1 << 32)
-_U_ONE_WORDS = torch.arange(0xFFFFFF00, 0x100000000, dtype=torch.int64)   # h >> 8 == 2**24 - 1
-
-
-def _mul32(x: torch.Tensor, const: int) -> torch.Tensor:
-    """x * const mod 2**32 for 32-bit words in int64, in 16-bit halves (no int64 overflow)."""
-    return (x * (const & 0xFFFF) + (((x * (const >> 16)) & 0xFFFF) << 16)) & MASK32
-
-
-def _unmix32(h: torch.Tensor) -> torch.Tensor:
-    """The inverse of ``sampling.keyed.mix32`` (lowbias32 is a bijection)."""
-    x = h ^ (h >> 16)
-    x = _mul32(x, _M2_INV)
-    x = x ^ (x >> 15) ^ (x >> 30)
-    x = _mul32(x, _M1_INV)
-    return x ^ (x >> 16)
-
-
-def _tokens_with_infinite_noise(keys: torch.Tensor, positions: torch.Tensor, width: int):
-    """(row, token) pairs whose u rounds to exactly 1.0 in float32, so g = +inf: the 256 words
-    h with h >> 8 == 2**24 - 1, mapped back through the hash to token ids (those < width).
-
-    ``(h >> 8) + 0.5`` is not representable in float32 at 2**24 - 0.5 and rounds up to 2**24; a
-    masked token's score is then -inf + inf = NaN and an allowed one's +inf, and ``torch.argmax``
-    picks them. About one row in 340 at a 49k vocabulary has such a token.
-    """
-    r1, r2 = row_words(keys.reshape(-1, 1), positions.reshape(-1, 1))
-    x = (_unmix32(_U_ONE_WORDS.reshape(1, -1)) - r2) & MASK32
-    tokens = _unmix32(x) ^ r1
-    return torch.nonzero(tokens < width, as_tuple=True)[0], tokens[tokens < width]
 
 
 def _gumbel(u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -138,8 +104,6 @@ def keyed_sample_sparse(logits: torch.Tensor, keys, positions, params: SamplingP
     rows = torch.arange(n, device=device).repeat_interleave(probe.shape[1])
     bar = exact_scores(rows, probe.reshape(-1)).view(n, -1).max(dim=-1).values
     candidate = allowed + _g_max(dtype) >= bar.unsqueeze(-1)
-    inf_rows, inf_ids = _tokens_with_infinite_noise(keys, positions, width)
-    candidate[inf_rows, inf_ids] = True
     rows, ids = torch.nonzero(candidate, as_tuple=True)      # row-major: ids ascending per row
     scores = exact_scores(rows, ids)
     winner = torch.full((n,), width, dtype=torch.int64, device=device)
