@@ -18,7 +18,7 @@ import torch
 
 from megatron_bubblespec.models.architecture import load_checkpoint
 from megatron_bubblespec.rollout.base import RolloutEngine
-from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
+from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult, settle_eos
 from megatron_bubblespec.rollout.torch_llama import TorchLlama
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.spec.pool import Continuation, DraftPool
@@ -130,7 +130,7 @@ class ReferenceEngine(RolloutEngine):
         ``rule`` keyed is exact and token-identical to plain keyed decoding; residual (exact in
         distribution only) and lenient (inexact) are for ablations and take the drafts'
         distributions from ``previous_model``, the policy that drafted them."""
-        eos = set().union(*(r.eos_token_ids for r in requests))
+        eos = [r.eos_token_ids for r in requests]   # each sample settles on its own EOS ids
         target = self._draft_logits(self.model, requests, drafts)
         draft_tokens, draft_lens = pad_token_rows(drafts)
         keys = torch.tensor([r.key for r in requests])
@@ -210,7 +210,7 @@ class ReferenceEngine(RolloutEngine):
                               torch.tensor([s.request.key for s in states]),
                               torch.tensor([len(s.response) for s in states]),
                               self._same_params(states),
-                              set().union(*(s.request.eos_token_ids for s in states)))
+                              [s.request.eos_token_ids for s in states])
         for row, (s, proposal) in enumerate(zip(states, proposals)):
             n = int(result.accepted[row])
             new = proposal[:n] + ([int(result.next_token[row])]
@@ -234,8 +234,7 @@ class ReferenceEngine(RolloutEngine):
 
     @staticmethod
     def _check_done(s: _Running) -> bool:
-        eos = set(s.request.eos_token_ids)
-        if s.response and s.response[-1] in eos:
+        if settle_eos(s.response, s.request.eos_token_ids)[1]:
             s.finish_reason = "eos"
         elif len(s.response) >= s.request.max_new_tokens:
             s.finish_reason = "length"

@@ -43,12 +43,13 @@ from typing import Any, Iterable
 
 import torch
 
+from megatron_bubblespec import logs
 from megatron_bubblespec.cache import cache_dir
 from megatron_bubblespec.rollout.base import RolloutEngine
-from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
 from megatron_bubblespec.rollout.keyed_draw import keyed_sample_sparse
-from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.rollout.vllm_proposer import POOL_ARGS_KEY, PoolProposer, pool_extra_args
+from megatron_bubblespec.sampling import SamplingParams
+from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult, settle_eos
 
 EXTRA_ARGS_KEY = "bubblespec_keyed"
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
@@ -264,6 +265,7 @@ class VLLMEngine(RolloutEngine):
             model=str(model_path), dtype=dtype or ("float32" if on_cpu else "auto"),
             seed=seed, enable_prefix_caching=enable_prefix_caching,
             tensor_parallel_size=tensor_parallel_size, skip_tokenizer_init=skip_tokenizer_init,
+            use_tqdm_on_load=logs.verbose(),
             logits_processors=[keyed_logits_processor_class()], logprobs_mode="raw_logprobs")
         if on_cpu and kv_cache_memory_bytes is None:
             kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
@@ -324,13 +326,12 @@ class VLLMEngine(RolloutEngine):
                              "unfinished requests")
         complete = []
         for request in requests:  # validate everything before submitting anything
-            prefix, eos = request.response_prefix, set(request.eos_token_ids)
-            early = next((i for i, t in enumerate(prefix[:-1]) if t in eos), None)
-            if early is not None:
+            prefix = request.response_prefix
+            kept, ended = settle_eos(prefix, request.eos_token_ids)
+            if kept < len(prefix):
                 raise ValueError(f"request {request.request_id!r}: EOS inside the response "
-                                 f"prefix at position {early}; a prefix may only end with EOS")
-            complete.append(len(prefix) >= request.max_new_tokens
-                            or (bool(prefix) and prefix[-1] in eos))
+                                 f"prefix at position {kept - 1}; a prefix may only end with EOS")
+            complete.append(len(prefix) >= request.max_new_tokens or ended)
         for request, prefix_complete in zip(requests, complete):
             prompt = {"prompt_token_ids": list(request.prompt_token_ids)
                       + list(request.response_prefix)}
@@ -399,7 +400,7 @@ class VLLMEngine(RolloutEngine):
         reason = _FINISH_REASONS.get(vllm_reason or "abort", "aborted")
         if live.prefix_complete and reason != "aborted":
             generated, generated_logprobs = [], []
-            reason = "eos" if prefix and prefix[-1] in request.eos_token_ids else "length"
+            reason = "eos" if settle_eos(prefix, request.eos_token_ids)[1] else "length"
             decode_steps = 0
         else:
             generated, generated_logprobs = live.token_ids, live.logprobs
