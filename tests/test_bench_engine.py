@@ -42,8 +42,8 @@ def report():
 def test_top_level_schema(report, tmp_path):
     assert report["version"] == SCHEMA_VERSION
     machine = report["machine"]
-    assert machine["cpu_count"] >= 1 and machine["torch_version"] and machine["torch_threads"] >= 1
-    assert len(machine["load_average_start"]) == 3 and len(machine["load_average_end"]) == 3
+    assert machine["cpu_count"] >= 1 and machine["torch"] and machine["torch_threads"] >= 1
+    assert len(machine["loadavg_1_5_15"]) == 3 and len(machine["loadavg_1_5_15_end"]) == 3
     model = report["model"]
     assert model["name"] == "tiny-llama" and model["params"] > 0 and model["vocab_size"] == 256
     settings = report["settings"]

