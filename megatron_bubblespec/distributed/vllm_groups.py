@@ -30,7 +30,9 @@ import os
 import torch
 import torch.distributed as dist
 
-VLLM_VERSION = "0.32.0"   # the version whose executor ``patch_external_launcher`` replaces
+# The one vLLM version whose internals the project patches in process (the external launcher's
+# memory reduce here, the spec-decode step in ``rollout.vllm_patches``); preflight refuses others.
+VLLM_VERSION = "0.32.0"
 
 
 def _check_version() -> None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import functools
 
-PINNED_VLLM_VERSION = "0.32.0"
+from megatron_bubblespec.distributed.vllm_groups import VLLM_VERSION as PINNED_VLLM_VERSION
 _INSTALLED = False
 
 
