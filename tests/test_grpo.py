@@ -44,12 +44,12 @@ from megatron_bubblespec.train.grpo import (
     kl_k3,
     token_mean,
 )
+from megatron_bubblespec.train.onpolicy import logprob_gap
 from megatron_bubblespec.train.trainer import (
     GRPOBatch,
     MegatronTrainer,
     TrainerConfig,
     gather_responses,
-    logprob_abs_diff,
     pack_sequences,
     scatter_responses,
 )
@@ -68,6 +68,10 @@ SYNC_LOGPROB_ATOL = 1e-4     # vLLM vs Megatron forward, float32
 
 
 # ------------------------------------------------------------------------- pure-torch objective
+
+def _max_gap(a, b):
+    return logprob_gap(a, b).max_abs
+
 
 def test_group_advantages_grpo_and_dr_grpo():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 3.0, 3.0, 3.0])
@@ -159,9 +163,9 @@ def test_batch_packing_and_logprob_gap():
     assert gather_responses(scatter_responses(values, mask), mask) == values
     batch = GRPOBatch.from_responses([[5, 6], [7]], [[8, 9, 10], [11]], values, [1.0, -1.0])
     assert torch.equal(batch.tokens, tokens) and len(batch.dp_shard(1, 2)) == 1
-    assert logprob_abs_diff(values, [[-1.0, -2.5, -3.0], [-3.75]]) == 0.5
+    assert _max_gap(values, [[-1.0, -2.5, -3.0], [-3.75]]) == 0.5
     with pytest.raises(ValueError, match="differ in shape"):
-        logprob_abs_diff(values, [[-1.0], [-4.0]])
+        _max_gap(values, [[-1.0], [-4.0]])
 
 
 # -------------------------------------------------------------------- one step, any layout
@@ -249,9 +253,9 @@ def _engine_gap(checkpoint, weights, probe, mine):
                     for i, (prompt, response) in enumerate(zip(*probe))]
         return [r.logprobs for r in engine.generate(requests, SamplingParams(1.0))]
 
-    stale = logprob_abs_diff(mine, score())
+    stale = _max_gap(mine, score())
     engine.update_weights(weights.items())
-    return {"stale": stale, "synced": logprob_abs_diff(mine, score())}
+    return {"stale": stale, "synced": _max_gap(mine, score())}
 
 
 def _trainer(checkpoint, config=TRAIN):

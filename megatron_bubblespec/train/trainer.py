@@ -168,14 +168,6 @@ def gather_responses(values: torch.Tensor, mask: torch.Tensor) -> list[list[floa
     return [values[i][mask[i].bool()].tolist() for i in range(values.shape[0])]
 
 
-def logprob_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
-    """``sync/logprob_abs_diff``: max |a - b| over all tokens of two sets of per-token logprobs."""
-    if len(a) != len(b) or any(len(x) != len(y) for x, y in zip(a, b)):
-        raise ValueError("logprob lists differ in shape: "
-                         f"{[len(x) for x in a]} vs {[len(y) for y in b]}")
-    return max((abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys)), default=0.0)
-
-
 # ---------------------------------------------------------------------- vocab-parallel maths
 
 def _vocab_shard_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
@@ -462,4 +454,4 @@ class MegatronTrainer:
 
 
 __all__ = ["GRPOBatch", "MegatronTrainer", "TrainerConfig", "frozen_copy", "gather_responses",
-           "logprob_abs_diff", "pack_sequences", "scatter_responses", "token_logprobs"]
+           "pack_sequences", "scatter_responses", "token_logprobs"]
