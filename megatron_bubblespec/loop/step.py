@@ -132,7 +132,8 @@ def bubble_and_exchange(rep: Replica, step: int) -> dict:
                     for g in nxt.rank_sample_range(rep.dp_rank)}
         rep.draft_queue[target] = select_drafts(everyone, expected, rep.spec.vocab_size, budget)
     return {"bubble/idle_s": stats.idle_s, "bubble/drafting_s": stats.drafting_s,
-            "bubble/overshoot_s": stats.overshoot_s}
+            "bubble/overshoot_s": stats.overshoot_s,
+            "bubble/draftable_s": stats.idle_s if drafting else 0.0}
 
 
 def draft_order(batch) -> list[int]:
