@@ -85,6 +85,17 @@ def test_split_and_gather_over_a_context_parallel_group():
 
 # ------------------------------------------------------------------------------ two GPUs
 
+def _fp32_model(path, context_parallel):
+    """The checkpoint as an fp32 model (no TF32) under CP = ``context_parallel`` over NCCL."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    _init(context_parallel)
+    spec, tensors = load_checkpoint(path)
+    model = build_gpt_model(spec)
+    load_hf_weights(model, spec, tensors)
+    return spec, model
+
+
 def _forward_worker(path, context_parallel):
     """fp32 Transformer Engine model, CP = 1 or 2 over NCCL: whole-sequence logits (gathered
     over CP) of an odd-length batch, and the verifier's result on drafts of it."""
@@ -92,12 +103,7 @@ def _forward_worker(path, context_parallel):
     from megatron_bubblespec.sampling.requests import RolloutRequest
     from megatron_bubblespec.spec.megatron_verifier import MegatronVerifier
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    _init(context_parallel)
-    spec, tensors = load_checkpoint(path)
-    model = build_gpt_model(spec)
-    load_hf_weights(model, spec, tensors)
+    spec, model = _fp32_model(path, context_parallel)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (4, 37), generator=g)
     (logits,) = megatron_forward(model, tokens, lambda out, rows: out[..., :VOCAB].float().cpu())
@@ -124,12 +130,7 @@ def _train_worker(path, context_parallel):
     """One GRPO step of the fp32 TE model at CP = 1 or 2: loss, grad norm, pre-update logprobs."""
     from megatron_bubblespec.train.trainer import GRPOBatch, MegatronTrainer, TrainerConfig
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    _init(context_parallel)
-    spec, tensors = load_checkpoint(path)
-    model = build_gpt_model(spec)
-    load_hf_weights(model, spec, tensors)
+    spec, model = _fp32_model(path, context_parallel)
     trainer = MegatronTrainer(model, spec, TrainerConfig(lr=1e-4, micro_batch_size=2))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (5,), generator=g).tolist() for _ in range(4)]

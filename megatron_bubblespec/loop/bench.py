@@ -46,14 +46,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
-import os
-import platform
 import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from megatron_bubblespec.machine import machine_info
+from megatron_bubblespec.metrics import to_json
 from megatron_bubblespec.metrics.aggregate import ratio
 from megatron_bubblespec.metrics.formatting import (count, number, percent, scientific, seconds,
                                                     value)
@@ -207,42 +206,6 @@ def compare(on: Sequence[Record], off: Sequence[Record]) -> dict:
     }
 
 
-def machine() -> dict:
-    import torch
-
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
-    try:
-        load = list(os.getloadavg())
-    except OSError:
-        load = None
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpus_usable": usable,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "loadavg_1_5_15": load,
-    }
-
-
-def json_safe(x):
-    """NaN / infinities -> None, tensors and numpy scalars -> numbers, recursively."""
-    if isinstance(x, Mapping):
-        return {str(k): json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [json_safe(v) for v in x]
-    if hasattr(x, "item") and not isinstance(x, (str, bytes)):
-        x = x.item()
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
-
-
 def _fmt(fmt, x) -> str:
     return fmt(math.nan if x is None else float(x))
 
@@ -323,12 +286,12 @@ def bench(config_path: str | Path, out_dir: str | Path, overrides: Sequence[str]
         **compare(on, off),
         "token_mismatch": mismatch,
         "token_mismatch_samples": mismatch_samples,
-        "machine": {**machine(), "started": started.isoformat(timespec="seconds"),
+        "machine": {**machine_info(), "started": started.isoformat(timespec="seconds"),
                     "wall_s": time.perf_counter() - t0},
         "series": {"on": list(on), "off": list(off)},
     }
     out.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(json_safe(result), indent=1, allow_nan=False)
+    text = to_json(result, indent=1)
     (out / "bench.json").write_text(text + "\n")
     (out / "bench.md").write_text(markdown(result))
     plot_run(on, out / "bench.png", baseline=off)

@@ -34,7 +34,9 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from megatron_bubblespec.config import ConfigError, load_config
-from megatron_bubblespec.loop.bench import json_safe, compare, machine, token_mismatch
+from megatron_bubblespec.loop.bench import compare, token_mismatch
+from megatron_bubblespec.machine import machine_info
+from megatron_bubblespec.metrics import to_json
 from megatron_bubblespec.metrics import read_metrics
 from megatron_bubblespec.metrics.formatting import (MISSING, count, number, percent, scientific,
                                                      seconds, value)
@@ -302,7 +304,7 @@ def run_study(study: str, args, variants: Sequence[Variant]) -> dict:
         except RunFailed as err:
             result["failed"].append({"label": v.label, "overrides": v.overrides, "run": err.run,
                                      "error": err.message, "log": err.log})
-        result["machine"] = {**machine(), "started": started.isoformat(timespec="seconds"),
+        result["machine"] = {**machine_info(), "started": started.isoformat(timespec="seconds"),
                              "wall_s": time.perf_counter() - t0}
         write_json(out / "results.json", result)
     if not result["runs"]:
@@ -352,7 +354,7 @@ def _attempt(config: str, overrides: Sequence[str], runs_dir: Path, name: str) -
 
 def write_json(path: Path, result: Mapping) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(json_safe(result), indent=1, allow_nan=False) + "\n")
+    path.write_text(to_json(result, indent=1) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------
