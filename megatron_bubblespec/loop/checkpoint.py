@@ -152,7 +152,8 @@ def load_checkpoint_into(rep, path: Path) -> int:
     rep.sampler.load_state_dict(state["sampler"])
     rep.weight_version = int(state["weight_version"])
     queue = {int(step): _drafts(rows) for step, rows in state["draft_queue"].items()}
-    rep.draft_queue = {step: {g: d for g, d in drafts.items() if g in rep.sampler.batch(step).rank_sample_range(rep.dp_rank)}
+    mine = {step: rep.sampler.batch(step).rank_sample_range(rep.dp_rank) for step in queue}
+    rep.draft_queue = {step: {g: d for g, d in drafts.items() if g in mine[step]}
                        for step, drafts in queue.items()}
     rng = path / "rng" / f"rank{dist.get_rank()}.pt"
     if rng.is_file():   # absent when resuming with more ranks than the checkpoint had

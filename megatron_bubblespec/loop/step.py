@@ -106,6 +106,15 @@ def rollout(rep: Replica, requests) -> tuple[list[RolloutResult], float]:
     return results, time.perf_counter() - start
 
 
+def follow_leader(rep: Replica) -> None:
+    """Stages 2-3 on the other ranks of a tensor-parallel engine: run the leader's engine calls
+    (its rollout, then its bubble drafting) on this rank's shard until the leader releases it."""
+    from megatron_bubblespec.distributed.vllm_groups import engine_cpu_group
+
+    group = engine_cpu_group()
+    follow(rep.engine_shard, dist.get_process_group_ranks(group)[0], group)
+
+
 def bubble_and_exchange(rep: Replica, step: int) -> dict:
     """Stages 3-4: draft step t+k's samples while waiting at the DP barrier (k =
     ``spec.draft_lookahead``, 1 for BubbleSpec), then all-gather the drafts and queue the ones of
@@ -194,8 +203,9 @@ def learn(rep: Replica, step: int, prompts: list[list[int]], results: list[Rollo
     trainer = rep.trainer
     metrics = trainer.train_step(batch)
     before = trainer.last_logprobs          # Megatron's logprobs of the rollouts, weights t
-    gap = check_on_policy([r.logprobs for r in results], gather_responses(before, batch.response_mask),
-                          rep.cfg.model.dtype, step=step, weight_version=rep.weight_version)
+    gap = check_on_policy([r.logprobs for r in results],
+                          gather_responses(before, batch.response_mask), rep.cfg.model.dtype,
+                          step=step, weight_version=rep.weight_version)
     after = trainer.logprobs(batch.tokens, batch.response_mask)
     mask, delta = batch.response_mask, after - before
     # k3 estimator of KL(pi_t || pi_t+1) on tokens drawn from pi_t: non-negative, unbiased.
@@ -242,11 +252,8 @@ def run_step(rep: Replica, step: int) -> StepOutput:
             rep.engine.release()
         shared = (results, rollout_s, engine_steps, bubble, rep.draft_queue)
     else:
-        if rep.engine_shard is not None:   # a shard of the leader's tensor-parallel engine
-            from megatron_bubblespec.distributed.vllm_groups import engine_cpu_group
-
-            group = engine_cpu_group()
-            follow(rep.engine_shard, dist.get_process_group_ranks(group)[0], group)
+        if rep.engine_shard is not None:
+            follow_leader(rep)                                                          # 2-3
         shared = None
     results, rollout_s, engine_steps, bubble, rep.draft_queue = rep.share(shared)
     if cfg.spec.enabled and cfg.spec.draft_source == "previous_epoch":
@@ -255,7 +262,8 @@ def run_step(rep: Replica, step: int) -> StepOutput:
     rep.beat(step, "learn")
     prompts = [r.prompt_token_ids for r in requests]
     rewards = [rep.task.reward(rep.task.prompt(pi), r.token_ids) for (pi, _), r in zip(slots, results)]
-    sync_metrics, train_metrics = learn(rep, step, prompts, results, [x.total for x in rewards])  # 5
+    sync_metrics, train_metrics = learn(rep, step, prompts, results,
+                                        [x.total for x in rewards])                   # 5
     rep.beat(step, "reshard")
     sync_metrics.update(reshard(rep))                                                    # 6
 
