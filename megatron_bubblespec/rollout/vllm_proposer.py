@@ -20,6 +20,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass, field
 
+from megatron_bubblespec.sampling.requests import settle_eos
 from megatron_bubblespec.spec.pool import Continuation, DraftPool
 
 POOL_ARGS_KEY = "bubblespec_pool"
@@ -31,12 +32,6 @@ def pool_extra_args(prompt_len: int, drafts: list[list[int]], k: int, min_match:
     the prompt's length without the response prefix that vLLM receives as part of it)."""
     return {"prompt_len": int(prompt_len), "drafts": [list(d) for d in drafts], "k": int(k),
             "min_match": int(min_match), "max_match": int(max_match)}
-
-
-def accepted_before_end(proposal: list[int], accepted: int, eos_token_ids) -> int:
-    """Accepted proposal tokens that the response keeps: none after its first EOS."""
-    eos = set(eos_token_ids)
-    return next((j + 1 for j, token in enumerate(proposal[:accepted]) if token in eos), accepted)
 
 
 @dataclass
@@ -102,8 +97,8 @@ class PoolProposer:
                 proposals.append([])
                 continue
             if state.pending:
-                accepted = accepted_before_end(state.pending, len(sampled) - 1,
-                                               state.eos_token_ids)
+                # accepted proposal tokens the response keeps: none after its first EOS
+                accepted, _ = settle_eos(state.pending[:len(sampled) - 1], state.eos_token_ids)
                 state.continuation.record(state.pending, accepted)
             n_tokens = int(num_tokens_no_spec[row])
             generated = n_tokens - int(batch.num_prompt_tokens[row])
