@@ -72,7 +72,7 @@ def test_on_and_off_identical_at_tp_and_pp(layout_runs, layout):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_layout_gives_the_tp1_tokens(layout_runs, tiny_runs, layout):
-    """configs/tiny.yaml at TP = PP = 1 (DP 2, the shared session run) is the reference."""
+    """configs/tiny.yaml at TP = PP = 1 (DP 2, conftest's tiny_runs) is the reference."""
     reference = tiny_runs.off["rollouts"][:STEPS]
     for step, (a, b) in enumerate(zip(layout_runs[layout, "on"]["rollouts"], reference)):
         assert a == b, f"{layout}, step {step}: tokens differ from the TP 1 run"
