@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from megatron_bubblespec.rollout.base import RolloutEngine
-from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
 from megatron_bubblespec.sampling import SamplingParams
+from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
 from megatron_bubblespec.spec.drafts import Draft
+
+if TYPE_CHECKING:   # an annotation only: spec sits below rollout
+    from megatron_bubblespec.rollout.base import RolloutEngine
 
 
 @dataclass
