@@ -32,7 +32,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SLURM_DIR = ROOT / "scripts" / "slurm"
-STEPS = 3  # the stop signal lands during step 1: stop after it, step 2 in the resumed start
+STEPS = 3  # the stop signal lands before step 0 ends: stop after it, steps 1-2 in the resumed start
 JOB_TIMEOUT_S = 300.0
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -150,12 +150,15 @@ def test_requeued_job_resumes_to_the_same_weights(cluster, jobs):
     import torch
 
     job = jobs["requeued"]
-    checkpoints = job.run_dir / "checkpoints"
-    def checkpointed(_info) -> bool:  # step_<k> appears complete (step_<k>.partial is renamed)
-        return any(p.name[len("step_"):].isdigit() for p in checkpoints.glob("step_*"))
+    heartbeats = job.run_dir / "heartbeat"
+    def handling_signals(_info) -> bool:
+        # Every rank has installed its stop-signal handler (it does so before its "build" beat),
+        # and it is still building: the signal lands a whole step or more before the last one.
+        beats = [json.loads(p.read_text()) for p in heartbeats.glob("rank*.json")]
+        return len(beats) == 2 and all(b["stage"] != "start" for b in beats)
 
-    info = job.wait(until=checkpointed, poll=0.2)
-    assert info["JobState"] == "RUNNING", f"the job ended before its first checkpoint\n" \
+    info = job.wait(until=handling_signals, poll=0.2)
+    assert info["JobState"] == "RUNNING", f"the job ended before its ranks started\n" \
         f"{job.diagnosis(info)}"
     # What `#SBATCH --signal=B:USR1@<s>` does before the time limit: signal the batch shell only.
     subprocess.run(["scancel", "--signal=USR1", "--batch", str(job.id)], env=cluster.env,
