@@ -29,7 +29,9 @@ def main(argv=None) -> None:
     run = result["runs"][0]
     on, off = run["series"]["on"], run["series"]["off"]
     plot_run(on, f"{result['out']}/bench.png", baseline=off)
-    common.finish(result, TITLE, panels=[
+    columns = (*common.ACCEPT, *common.SPEED[:2], *common.ENGINE, *common.SPEED[2:],
+               *common.BUBBLE, *common.COVERAGE, *common.EXACT, *common.TRAINING)
+    common.finish(result, TITLE, columns, panels=[
         common.curves("train/reward_mean", "reward per step (identical tokens on and off)"),
         common.curves("rollout/decode_steps", "decode steps per step"),
         common.curves("rollout/time_s", "rollout time per step (s)"),

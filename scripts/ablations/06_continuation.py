@@ -1,14 +1,17 @@
 """Study 6: speculative continuation after a divergence (spec.speculative_continuation on / off).
 
 With continuation on, a sample whose draft was rejected keeps proposing tokens from its prompt's
-draft pool (the drafts of its sibling samples and its own, re-aligned on a suffix match), so drafts
-keep saving decode steps past the first divergence; off, the engine decodes everything after the
-accepted prefix one token per step. Both share one plain synchronous baseline run. Exactness holds
-either way: token mismatch must be 0. The runs use the reference engine (rollout.engine=reference,
-unless overridden): the vLLM engine does not implement continuation and would ignore the flag.
+draft pool (the drafts of its sibling samples and its own, re-aligned on a suffix match of at least
+spec.min_match tokens), so drafts keep saving decode steps past the first divergence; off, the
+engine decodes everything after the accepted prefix one token per step. The prompt's drafts are the
+only proposal source the package has. All variants share one plain synchronous baseline run
+(`--min-match` adds continuation-on variants with other spec.min_match values; spec.* keys only, so
+they share it too). Exactness holds either way: token mismatch must be 0. The runs use the config's
+rollout.engine: both engines implement continuation (vLLM through rollout/vllm_proposer.py) and
+propose the same tokens; pass rollout.engine=reference to run on the reference engine.
 
     python scripts/ablations/06_continuation.py [--config configs/tiny.yaml] [--steps N]
-        [--continuation true,false] [dotted overrides...]
+        [--continuation true,false] [--min-match 3] [dotted overrides...]
 """
 
 from __future__ import annotations
@@ -24,15 +27,22 @@ def main(argv=None) -> None:
     p = common.parser(__doc__)
     p.add_argument("--continuation", type=common.csv(str), default=["true", "false"],
                    help="values of spec.speculative_continuation (default %(default)s)")
+    p.add_argument("--min-match", type=common.csv(int), default=[],
+                   help="extra continuation-on variants, one per spec.min_match value (the "
+                        "shortest suffix match that proposes; the config's is the default "
+                        "variant's), e.g. 3")
     args = p.parse_args(argv)
-    if not any(o.startswith("rollout.engine=") for o in args.overrides):
-        # continuation is implemented in the reference engine; vLLM continues plainly
-        args.overrides.append("rollout.engine=reference")
     common.learning_defaults(args)
     variants = [common.Variant(f"continuation {v}", [f"spec.speculative_continuation={v}"])
                 for v in args.continuation]
+    variants += [common.Variant(f"continuation true, min_match {m}",
+                                ["spec.speculative_continuation=true", f"spec.min_match={m}"])
+                 for m in args.min_match]
     result = common.run_study(STUDY, args, variants)
-    common.finish(result, TITLE, extra=[
+    columns = (*common.ACCEPT, *common.SPEED[:2], *common.ENGINE, *common.SPEED[2:],
+               *common.BUBBLE, *common.COVERAGE, *common.CONTINUATION, *common.EXACT,
+               *common.TRAINING)
+    common.finish(result, TITLE, columns, extra=[
         "## Decode steps per step", "",
         common.per_step_table(result["runs"], "rollout/decode_steps", count), "",
         "## Decode steps saved per step (1 - decode steps / plain decode steps of the same "

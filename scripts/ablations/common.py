@@ -390,17 +390,37 @@ TRAINING = (Column("lr", "lr", scientific),
             Column("drift KL", "policy_drift_kl_mean", scientific))
 TIME = (Column("wall on", "wall_on_s", seconds), Column("wall off", "wall_off_s", seconds))
 DEFAULT_COLUMNS = ACCEPT + SPEED + BUBBLE + EXACT + TRAINING
+# Optional columns: the engine-step ratio and the share of the responses drafted / accepted
+# (steps >= 1), and the proposals of speculative continuation.
+ENGINE = (Column("engine steps on/off", "engine_steps_ratio", number),)
+COVERAGE = (Column("drafted share", "draft_coverage", percent),
+            Column("accepted share", "accepted_coverage", percent))
+CONTINUATION = (Column("continuation proposed", "continuation_proposed_tokens", count),
+                Column("continuation accepted", "continuation_accepted_tokens", count),
+                Column("continuation accept rate", "continuation_accept_rate", percent))
+
+
+def _load_cell(summary: Summary) -> str:
+    """1-minute load average at the start and the end of the on run, then of the off run."""
+    def one(pair) -> str:
+        try:
+            return "→".join(f"{float(x[0]):.1f}" for x in pair)
+        except (TypeError, IndexError, ValueError):
+            return MISSING
+    if "loadavg_on" not in summary:
+        return MISSING
+    return f"{one(summary['loadavg_on'])} / {one(summary['loadavg_off'])}"
 
 
 def markdown_table(runs: Sequence[Summary], columns: Sequence[Column] = DEFAULT_COLUMNS) -> str:
     """One row per variant: label, overrides, the columns, reward first → last quarter, times."""
     header = ["variant", "overrides", *(c.header for c in columns), "reward first → last (on)",
-              *(c.header for c in TIME)]
+              *(c.header for c in TIME), "load 1 min on / off"]
     lines = ["| " + " | ".join(header) + " |", "|---|---|" + "---:|" * (len(header) - 2)]
     for s in runs:
         over = " ".join(f"`{o}`" for o in s["overrides"]) or MISSING
         row = [str(s["label"]), over, *(c.cell(s) for c in columns), _reward_cell(s),
-               *(c.cell(s) for c in TIME)]
+               *(c.cell(s) for c in TIME), _load_cell(s)]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
