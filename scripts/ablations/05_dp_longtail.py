@@ -5,6 +5,10 @@ plain run too, so each has its own off run; drafts may cover the whole cap
 (spec.max_draft_tokens = rollout.max_new_tokens). The table gives the off run's bubble ratio and the
 decode steps saved per setting.
 
+A DP size keeps the prompts per rank of the config (rollout.prompts_per_step scales with
+parallel.data), so every rank rolls out as many samples as in the base setting.
+--no-base leaves out the config's own setting (when another study already ran it).
+
 parallel.data = parallel.world_size / (tensor x pipeline) ranks; 4 ranks on 2 CPU cores are slow,
 keep --steps small there. The chat tasks (data.task=arithmetic: short word problems, gsm8k: longer
 reasoning) need a tokenizer: mix them with --config configs/default.yaml (SmolLM2) --tasks
@@ -12,7 +16,7 @@ arithmetic,gsm8k; the tiny random model only has the synthetic task.
 
     python scripts/ablations/05_dp_longtail.py [--config configs/tiny.yaml] [--steps N]
         [--dp 2,4] [--max-new-tokens 16,48,96] [--tasks arithmetic,gsm8k] [--full-grid]
-        [dotted overrides...]
+        [--no-base] [dotted overrides...]
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ def main(argv=None) -> None:
                    help="data.task values (default: the config's task)")
     p.add_argument("--full-grid", action="store_true", help="every (dp, cap, task) triple "
                    "instead of one factor at a time around the config's values")
+    p.add_argument("--no-base", action="store_true", help="leave out the config's own "
+                   "(dp, cap, task) point (one factor at a time only)")
     args = p.parse_args(argv)
     common.learning_defaults(args)
     cfg = common.load(args.config, common.base_overrides(args))
@@ -53,9 +59,13 @@ def main(argv=None) -> None:
         points = [base] + [(d, base[1], base[2]) for d in args.dp]
         points += [(base[0], n, base[2]) for n in args.max_new_tokens]
         points += [(base[0], base[1], t) for t in tasks]
+        if args.no_base:
+            points = [x for x in points if x != base]
+    per_rank = cfg.rollout.prompts_per_step // cfg.parallel.data
     model_parallel = cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.context
     variants = [common.Variant(f"dp {d}, cap {n}, {t}", [
         f"parallel.data={d}", f"parallel.world_size={d * model_parallel}",
+        f"rollout.prompts_per_step={d * per_rank}",
         f"rollout.max_new_tokens={n}", f"data.task={t}", f"spec.max_draft_tokens={n}"])
         for d, n, t in dict.fromkeys(points)]
     result = common.run_study(STUDY, args, variants)
