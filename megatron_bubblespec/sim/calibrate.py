@@ -12,9 +12,12 @@ What is fitted from what (every choice is recorded in ``Calibration.notes``):
   (two ``--prompt-len`` runs); otherwise it is ``seq_s / ATTENTION_EQUAL_CTX``.
 * one scale on those costs: the median over the off run's ranks and steps >= 1 of measured /
   modelled rollout time (the real loop's overheads and the machine's load at bench time); the
-  log-sd of the remaining measured / modelled ratios is the rank timing noise ``Setting.jitter``.
-  Without bench-engine JSONs the decode step is fitted on those rank times directly (``step_s``,
-  ``seq_s``, no prefill term, ``kv_token_s`` tied to ``seq_s`` as above): an in-sample fit.
+  log-sd of the remaining measured / modelled ratios, less each step's factor common to all ranks
+  (the shared machine's load, not a rank-to-rank difference), is the rank timing noise
+  ``Setting.jitter``. Without bench-engine JSONs the decode step is fitted on those rank times
+  directly (``step_s``, ``seq_s``, no prefill term, ``kv_token_s`` tied to ``seq_s`` as above;
+  ``seq_s / step_s`` from the ranks' times relative to each other within a step, so that the
+  machine's load in a step cancels): an in-sample fit.
 * a rank's measured rollout time: the step's ``rollout/time_s`` (the slowest rank) minus the
   rank's ``bubble/idle_s`` (off run: nothing else happens between the rollout and the barrier).
 * verify: ``verify_token_s`` = the slope of a non-negative least-squares line of ``spec/verify_s``
@@ -26,12 +29,20 @@ What is fitted from what (every choice is recorded in ``Calibration.notes``):
 * acceptance: the per-token probability ``p`` with ``sum_t S_t * E[min(G, d_t)] = sum_t A_t``
   over the on run's steps (``S_t`` drafted samples, ``d_t`` their mean draft length, ``A_t``
   accepted tokens, ``G`` geometric with ``P(G >= k) = p^k``); 1 when every drafted token was
-  accepted.
+  accepted. The check at the measured setting uses that fit; the predicted grid uses the same
+  ``p`` when some draft was cut by a miss, else the lower bound ``A / (A + N)`` of
+  ``sim.ceiling`` (no miss seen in ``A`` tokens does not make ``p = 1`` at 64k tokens).
+* continuation: ``g`` = continuation-accepted tokens per decode step of the drafted samples
+  (``spec/continuation_accepted_tokens`` over ``spec/drafted_samples / samples`` of the step's
+  ``rollout/decode_steps``), over the on run's steps with drafts: steps where every drafted token
+  was accepted give the gain past a draft's end, steps with a rejected token the gain after a
+  divergence (taken as the past-the-end gain when no draft was rejected).
 * lengths: the responses of the off run (``<out>/<name>-off/rollouts.jsonl``, in global sample
   order, so the ``B`` samples of rank ``r`` are ``r * B .. r * B + B - 1``) as fractions of the
-  budget ``rollout.max_new_tokens``; a lognormal fitted by maximum likelihood with the responses
-  that hit the budget as right-censored. Without rollouts: ``DEFAULT_SIGMA`` and the median that
-  reproduces the series' mean response length.
+  budget ``rollout.max_new_tokens``: the share that ran to the budget (``LengthModel.cap_share``)
+  and a lognormal truncated below the budget fitted by maximum likelihood to the rest
+  (``fit_capped_lengths``). Without rollouts: ``DEFAULT_SIGMA`` and the median that reproduces the
+  series' mean response length.
 """
 
 from __future__ import annotations
@@ -54,8 +65,9 @@ DEFAULT_ACCEPT_PROB = 0.9   # when the bench drafted nothing
 ENGINE_QUANTILE = 0.02
 ROBUST_SCALE = 0.1          # relative residual beyond which a bench-engine row counts as an outlier
 DRAFT_CONCURRENCY = 32      # BubbleDrafter's in_flight when the config is unknown
-CHECKED = ("bubble_ratio_off", "bubble_ratio_on", "decode_steps_ratio", "throughput_ratio",
-           "throughput_ratio_with_verify", "bubble_utilization", "accept_rate")
+CHECKED = ("bubble_ratio_off", "bubble_ratio_on", "decode_steps_ratio", "engine_steps_ratio",
+           "draft_coverage", "throughput_ratio", "throughput_ratio_with_verify",
+           "bubble_utilization", "accept_rate")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -72,6 +84,7 @@ class Calibration:
     measured_lengths: np.ndarray | None  # (steps, ranks, samples_per_rank) of the off run
     source: dict                         # files and config the numbers came from
     notes: list[str] = field(default_factory=list)
+    grid_accept_prob: float | None = None  # per-token acceptance for predictions (None: setting's)
 
     @property
     def draft_budget_frac(self) -> float:
@@ -237,19 +250,49 @@ def rank_rollout_times(records: Sequence[Mapping], ranks: int) -> np.ndarray:
 
 def fit_engine_from_bench(lengths: np.ndarray, measured: np.ndarray,
                           prompt_len: int) -> EngineCosts:
-    """Decode-step cost from the bench's rank rollout times alone (in-sample, no prefill term)."""
+    """Decode-step cost from the bench's rank rollout times alone (in-sample, no prefill term).
+
+    A rank's time is ``f_t * (step_s * max m + seq_s * (sum m + kv / ATTENTION_EQUAL_CTX))`` with
+    ``f_t`` the machine's load in step ``t``, common to its ranks: with two or more ranks the ratio
+    ``seq_s / step_s`` is fitted on the ranks' times relative to each other within each step
+    (least squares of the log times less each step's mean), and ``step_s`` on the median load;
+    with one rank, ``_robust_fit`` on the times themselves."""
     m = (lengths - 1).astype(float)
     kv = (m * prompt_len + m * (m + 1) / 2).sum(axis=-1)
-    per_seq = m.sum(axis=-1) + kv / ATTENTION_EQUAL_CTX
-    x = np.stack([m.max(axis=-1), per_seq], axis=-1).reshape(-1, 2)
-    step_s, seq_s = _nnls(x.tolist(), measured.reshape(-1).tolist())
-    return EngineCosts(step_s, seq_s, seq_s / ATTENTION_EQUAL_CTX, 0.0, 0.0)
+    longest, per_seq = m.max(axis=-1), m.sum(axis=-1) + kv / ATTENTION_EQUAL_CTX
+    measured = np.asarray(measured, dtype=float)
+    if measured.ndim < 2 or measured.shape[1] < 2:
+        x = np.stack([longest, per_seq], axis=-1).reshape(-1, 2)
+        keep = measured.reshape(-1) > 0
+        step_s, seq_s = _robust_fit(x[keep].tolist(), measured.reshape(-1)[keep].tolist())
+        return EngineCosts(step_s, seq_s, seq_s / ATTENTION_EQUAL_CTX, 0.0, 0.0)
+
+    def spread(log_rho: float) -> float:
+        r = np.log(measured) - np.log(longest + math.exp(log_rho) * per_seq)
+        return float(((r - r.mean(axis=1, keepdims=True)) ** 2).sum())
+
+    grid = np.linspace(-12.0, 4.0, 161)
+    start = grid[int(np.argmin([spread(u) for u in grid]))]
+    best = minimize(lambda u: spread(float(u[0])), [start], method="Nelder-Mead")
+    rho = math.exp(float(np.clip(best.x[0], -12.0, 4.0)))
+    if rho <= math.exp(-12.0) * 1.0001:
+        rho = 0.0
+    step_s = float(np.median(measured / (longest + rho * per_seq)))
+    return EngineCosts(step_s, rho * step_s, rho * step_s / ATTENTION_EQUAL_CTX, 0.0, 0.0)
 
 
 def fit_jitter(measured: np.ndarray, modelled: np.ndarray) -> float:
-    """Log-sd of measured / modelled rank rollout times: timing noise the lengths do not explain."""
-    residual = np.log(measured / modelled)
-    return float(residual.std()) if residual.size > 1 else 0.0
+    """Log-sd of measured / modelled rank rollout times (steps, ranks) less each step's mean over
+    its ranks: the rank-to-rank timing noise the lengths do not explain (a slow step of the whole
+    machine delays every rank alike and makes no bubble). Corrected for the ranks' mean taken out
+    (``sqrt(R / (R - 1))``); 0 with one rank."""
+    residual = np.log(np.asarray(measured, dtype=float) / np.asarray(modelled, dtype=float))
+    residual = residual.reshape(len(residual), -1)
+    ranks = residual.shape[1]
+    if ranks < 2:
+        return 0.0
+    within = residual - residual.mean(axis=1, keepdims=True)
+    return float(np.sqrt((within ** 2).sum() / (within.size - len(within))))
 
 
 def fit_verify(records: Sequence[Mapping], ranks: int, prompt_len: int,
@@ -288,6 +331,29 @@ def fit_lengths(lengths: np.ndarray, cap: int) -> LengthModel:
     return LengthModel("lognormal", mu=mu, sigma=sigma)
 
 
+def fit_capped_lengths(lengths: np.ndarray, cap: int) -> LengthModel:
+    """The share of responses at the cap, and a lognormal of ``lengths / cap`` truncated below 1
+    fitted by maximum likelihood to the others (a plain lognormal when none reached the cap)."""
+    x = np.asarray(lengths, dtype=float).reshape(-1) / cap
+    capped = x >= 1.0
+    if not capped.any():
+        return fit_lengths(lengths, cap)
+    share = float(capped.mean())
+    logs = np.log(x[~capped])
+    if len(logs) < 2:
+        mu = float(logs.mean()) if len(logs) else 0.0
+        return LengthModel("lognormal", mu=mu, sigma=0.0, cap_share=share)
+
+    def nll(theta):
+        mu, sigma = theta[0], math.exp(theta[1])
+        return -(norm.logpdf(logs, mu, sigma).sum() - len(logs) * norm.logcdf(0.0, mu, sigma))
+
+    start = [float(logs.mean()), math.log(max(float(logs.std()), 0.1))]
+    best = minimize(nll, start, method="Nelder-Mead", options={"xatol": 1e-6, "fatol": 1e-9})
+    mu, sigma = float(np.clip(best.x[0], -20, 20)), float(np.clip(math.exp(best.x[1]), 1e-3, 10))
+    return LengthModel("lognormal", mu=mu, sigma=sigma, cap_share=share)
+
+
 def lengths_from_mean(mean_fraction: float, sigma: float = DEFAULT_SIGMA) -> LengthModel:
     """The lognormal with ``sigma`` whose budget-capped mean fraction is ``mean_fraction``."""
     def capped_mean(mu):
@@ -322,6 +388,38 @@ def fit_accept_prob(records: Sequence[Mapping]) -> float | None:
     def gap(p):
         return sum(s * expected_accepted(p, d / s) for s, d, _ in steps) - accepted
     return float(brentq(gap, 0.0, 1.0 - 1e-12))
+
+
+def grid_accept_prob(records: Sequence[Mapping], fitted: float) -> float:
+    """The per-token acceptance for predictions: ``fitted`` when some draft was cut by a miss,
+    else the lower bound ``A / (A + N)`` of ``sim.ceiling`` (``A`` accepted tokens over ``N``
+    drafted samples)."""
+    from megatron_bubblespec.sim.ceiling import accept_per_token_lower_bound
+
+    if fitted < 1.0:
+        return fitted
+    accepted = sum(r.get("spec/accepted_tokens") or 0 for r in records)
+    drafted = sum(r.get("spec/drafted_samples") or 0 for r in records)
+    bound = accept_per_token_lower_bound(accepted, drafted)
+    return bound if math.isfinite(bound) else fitted
+
+
+def fit_continuation(records: Sequence[Mapping], samples: int) -> tuple[float, float | None]:
+    """(gain past a draft's end, gain after a divergence or None): continuation-accepted tokens
+    per decode step of the drafted samples (see the module docstring)."""
+    sums = {True: [0.0, 0.0], False: [0.0, 0.0]}    # clean step -> [accepted, decode steps]
+    for r in records:
+        drafted = r.get("spec/drafted_samples") or 0
+        if drafted <= 0 or r.get("spec/continuation_accepted_tokens") is None:
+            continue
+        clean = (r.get("spec/accepted_tokens") or 0) >= (r.get("spec/drafted_tokens") or 0)
+        sums[clean][0] += r["spec/continuation_accepted_tokens"]
+        sums[clean][1] += r.get("rollout/decode_steps", 0) * min(drafted / samples, 1.0)
+    past = sums[True][0] / sums[True][1] if sums[True][1] > 0 else None
+    diverged = sums[False][0] / sums[False][1] if sums[False][1] > 0 else None
+    if past is None:
+        past = diverged if diverged is not None else 0.0
+    return past, diverged
 
 
 def _mean(values) -> float:
@@ -395,9 +493,9 @@ def calibrate(bench_path: str | Path, engine_paths: Sequence[str | Path] = (), *
         notes.append("prompt length unknown (pass --prompt-len): taken as 0")
 
     if lengths is not None:
-        length_model = fit_lengths(lengths, cap)
+        length_model = fit_capped_lengths(lengths, cap)
         notes.append(f"lengths: {lengths.size} measured responses, "
-                     f"{(lengths >= cap).mean():.0%} at the budget {cap}")
+                     f"{(lengths >= cap).mean():.1%} at the budget {cap}")
     else:
         mean = sum(r["rollout/tokens"] for r in off) / (len(off) * ranks * samples)
         length_model = lengths_from_mean(mean / cap)
@@ -420,14 +518,38 @@ def calibrate(bench_path: str | Path, engine_paths: Sequence[str | Path] = (), *
     if accept is None:
         accept = DEFAULT_ACCEPT_PROB
         notes.append(f"the bench drafted nothing: acceptance per token {DEFAULT_ACCEPT_PROB}")
+        grid_accept = accept
+    else:
+        grid_accept = grid_accept_prob(on, accept)
+        notes.append(f"acceptance per token: fitted {accept:.4g} (the check); "
+                     + (f"predictions use the lower bound A / (A + N) = {grid_accept:.4g}, as no "
+                        "drafted token was rejected" if grid_accept < accept
+                        else "predictions use the same"))
+    gain_past = gain_diverged = 0.0
+    if job["continuation_k"]:
+        gain_past, gain_diverged = fit_continuation(on, ranks * samples)
+        gain_past = min(gain_past, job["continuation_k"])
+        if gain_diverged is None:
+            gain_diverged = gain_past
+            notes.append(f"continuation: {gain_past:.3g} accepted tokens per decode step past a "
+                         "draft's end; no draft was rejected, so the same after a divergence")
+        else:
+            gain_diverged = min(gain_diverged, job["continuation_k"])
+            notes.append(f"continuation: {gain_past:.3g} accepted tokens per decode step past a "
+                         f"draft's end, {gain_diverged:.3g} in steps with a divergence")
     setting = Setting(ranks, samples, prompt_len, cap, job["draft_budget"], accept_prob=accept,
                       draft_concurrency=job["in_flight"], draft_chunk=job["chunk"],
-                      jitter=jitter, continuation_k=job["continuation_k"])
-    measured = {k: bench.get(k) for k in (*CHECKED, "accepted_prefix_mean", "steps")}
+                      jitter=jitter, continuation_k=job["continuation_k"],
+                      continuation_gain_past=gain_past, continuation_gain_diverged=gain_diverged)
+    measured = {k: bench.get(k) for k in (*CHECKED, "accepted_prefix_mean", "steps",
+                                          "accept_per_token", "decode_steps_ratio_ceiling",
+                                          "continuation_accepted_tokens",
+                                          "continuation_proposed_tokens")}
     source = {"bench": str(bench_path), "engine": [str(p) for p in engine_paths],
               "engine_name": engine_name, "config": bench.get("config"),
               "overrides": bench.get("overrides", []), "machine": bench.get("machine", {})}
-    return Calibration(setting, costs, length_model, measured, lengths, source, notes)
+    return Calibration(setting, costs, length_model, measured, lengths, source, notes,
+                       grid_accept_prob=grid_accept)
 
 
 def calibration_check(cal: Calibration, *, replicates: int = 32, seed: int = 0) -> dict:
@@ -439,25 +561,28 @@ def calibration_check(cal: Calibration, *, replicates: int = 32, seed: int = 0) 
     * ``replay_no_jitter``: the same without timing noise (the bubble lengths alone explain);
     * ``sampled``: lengths drawn from the fitted model, with timing noise, as many steps as the
       bench ran, averaged over ``replicates`` seeds.
+
+    ``sd`` is the spread of one replicate around that mean: for ``sampled``, how far one bench of
+    that many steps may land from the model's mean by the draw of lengths alone.
     """
     runs = {}
     if cal.measured_lengths is not None:
         for mode, setting in (("replay", cal.setting),
                               ("replay_no_jitter", replace(cal.setting, jitter=0.0))):
-            reps = [simulate(setting, cal.costs, measured_lengths=cal.measured_lengths,
-                             seed=seed + i) for i in range(replicates)]
-            runs[mode] = {k: _mean(r[k] for r in reps) for k in CHECKED}
+            runs[mode] = [simulate(setting, cal.costs, measured_lengths=cal.measured_lengths,
+                                   seed=seed + i) for i in range(replicates)]
     steps = len(cal.measured_lengths) if cal.measured_lengths is not None else cal.measured["steps"]
-    reps = [simulate(cal.setting, cal.costs, cal.lengths, steps=int(steps), seed=seed + i)
-            for i in range(replicates)]
-    runs["sampled"] = {k: _mean(r[k] for r in reps) for k in CHECKED}
+    runs["sampled"] = [simulate(cal.setting, cal.costs, cal.lengths, steps=int(steps),
+                                seed=seed + i) for i in range(replicates)]
     out = {}
-    for mode, sim in runs.items():
+    for mode, reps in runs.items():
         rows = {}
         for key in CHECKED:
-            measured, simulated = cal.measured.get(key), float(sim[key])
+            values = [float(r[key]) for r in reps if math.isfinite(float(r[key]))]
+            measured, simulated = cal.measured.get(key), _mean(values)
             error = (simulated / measured - 1.0 if measured not in (None, 0)
                      and math.isfinite(simulated) else math.nan)
-            rows[key] = {"measured": measured, "simulated": simulated, "rel_error": error}
+            rows[key] = {"measured": measured, "simulated": simulated, "rel_error": error,
+                         "sd": float(np.std(values)) if len(values) > 1 else math.nan}
         out[mode] = rows
     return out

@@ -5,9 +5,11 @@ The grid keeps the calibrated job's shape per rank (samples per rank, prompt len
 as a fraction of the response budget, acceptance, rank timing noise, drafting concurrency) and
 changes the number of DP ranks and the context; a context of ``C`` tokens gives a response budget
 of ``C - prompt`` tokens, and the fitted length model (a fraction of the budget) is scaled to it.
-``--config`` takes samples per rank, draft budget fraction, draft chunk and prompt length from a
-training config instead; the ``--lengths``, ``--accept-prob``, ``--jitter`` and
-``--max-draft-tokens`` flags replace single fitted parts, to ask "what if".
+``--config`` takes samples per rank, draft budget fraction, draft chunk, drafts in flight,
+continuation and prompt length from a training config instead; the ``--lengths``,
+``--accept-prob``, ``--jitter``, ``--continuation-diverged`` and ``--max-draft-tokens`` flags
+replace single fitted parts, to ask "what if". Every row carries the ceiling ``1 - acceptance x
+coverage`` (``sim.ceiling``).
 """
 
 from __future__ import annotations
@@ -81,20 +83,38 @@ def _jitter(text: str) -> float | None:
     return value
 
 
+def config_shape(path):
+    """A training config's values (schema defaults <- the YAML file) without the checks of
+    ``load_config`` that only this machine's hardware fails (a bf16 GPU layout read on a CPU):
+    the simulator takes only the job's shape from it."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from megatron_bubblespec.config import ConfigError
+    from megatron_bubblespec.config.schema import Config
+
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
+        return OmegaConf.to_object(merged)
+    except (OSError, OmegaConfBaseException) as err:
+        raise ConfigError(f"--config {path}: {str(err).splitlines()[0]}") from None
+
+
 def grid_setting(cal, args):
     """The per-rank shape of the predicted job: calibrated, then --config, then single flags."""
     from megatron_bubblespec.sim.calibrate import prompt_length
 
     setting = cal.setting
+    if cal.grid_accept_prob is not None:
+        setting = replace(setting, accept_prob=cal.grid_accept_prob)
     budget_frac = cal.draft_budget_frac
     if args.config:
-        from megatron_bubblespec.config import load_config
-
-        cfg = load_config(args.config, [])
+        cfg = config_shape(args.config)
         r = cfg.rollout
         setting = replace(setting, samples_per_rank=max(
             r.prompts_per_step * r.samples_per_prompt // cfg.parallel.data, 1),
-            draft_chunk=cfg.spec.draft_chunk)
+            draft_chunk=cfg.spec.draft_chunk, draft_concurrency=cfg.spec.draft_in_flight,
+            continuation_k=cfg.spec.spec_k if cfg.spec.speculative_continuation else 0)
         budget_frac = min(cfg.spec.max_draft_tokens, r.max_new_tokens) / r.max_new_tokens
         prompt = prompt_length(cfg)
         if prompt is not None:
@@ -108,13 +128,31 @@ def grid_setting(cal, args):
         changes["accept_prob"] = args.accept_prob
     if args.jitter is not None:
         changes["jitter"] = args.jitter
+    if args.continuation_diverged != "calibrated":
+        changes["continuation_gain_diverged"] = (None if args.continuation_diverged == "realigned"
+                                                 else args.continuation_diverged)
     return replace(setting, **changes), budget_frac
+
+
+def _continuation(text: str):
+    if text in ("calibrated", "realigned"):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--continuation-diverged {text!r}: 'calibrated', "
+                                         "'realigned' or accepted tokens per decode step >= 0")
+    return value
 
 
 def predict(cal, setting, budget_frac: float, lengths, ranks: Sequence[int],
             contexts: Sequence[int], *, steps: int, seeds: int, max_draft_tokens: int | None,
             seed: int = 0) -> list[dict]:
-    """One row per (ranks, context): the mean over ``seeds`` of ``simulate``'s summary."""
+    """One row per (ranks, context): the mean over ``seeds`` of ``simulate``'s summary, with the
+    ceiling ``1 - acceptance x coverage`` (``sim.ceiling``) of the point's decode-step ratio."""
+    from megatron_bubblespec.sim.ceiling import decode_steps_ratio_ceiling
     from megatron_bubblespec.sim.model import simulate
 
     rows = []
@@ -134,6 +172,8 @@ def predict(cal, setting, budget_frac: float, lengths, ranks: Sequence[int],
             for key, value in runs[0].items():
                 if key not in ("trace", "steps", "ranks"):
                     row[key] = float(np.nanmean([run[key] for run in runs]))
+            row["decode_steps_ratio_ceiling"] = decode_steps_ratio_ceiling(
+                point.accept_prob, row["draft_coverage"])
             rows.append(row)
     return rows
 
@@ -185,6 +225,11 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
                         help="per-token draft acceptance (default: fitted)")
     parser.add_argument("--jitter", type=_jitter, default=None,
                         help="rank timing noise, log-sd (default: calibrated; 0 = lengths only)")
+    parser.add_argument("--continuation-diverged", type=_continuation, default="calibrated",
+                        help="continuation after a divergence: calibrated (the bench's accepted "
+                        "tokens per decode step) | realigned (proposals re-aligned with the draft, "
+                        "each accepted with the per-token acceptance: optimistic) | a number of "
+                        "accepted tokens per decode step")
     parser.add_argument("--max-draft-tokens", type=int, default=None,
                         help="draft budget in tokens (default: the calibrated fraction of the "
                         "response budget)")

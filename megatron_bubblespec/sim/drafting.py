@@ -13,9 +13,10 @@ more samples and the cursor hands the next step's samples out from global index 
 low DP ranks first), as the real cursor does. When the last rank arrives, every draft keeps the
 tokens of the engine steps begun before that moment (the step in progress completes: overshoot).
 
-Approximations: the step time assumes ``concurrency`` live drafts even when fewer are in flight
-(the pool ran dry), the KV term uses the mean draft length, a draft's length is the next step's
-response length under the current policy (cut at the budget), and store round trips cost nothing.
+Approximations: the step time assumes ``min(concurrency, next-step samples)`` live drafts even when
+fewer are in flight (the pool ran dry, or other ranks hold the rest), the KV term uses the mean
+draft length, a draft's length is the next step's response length under the current policy (cut at
+the budget), and store round trips cost nothing.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def draft_in_bubble(arrive, draft_lens, engine, prompt_len: int, *, concurrency:
     overshoot = np.zeros(ranks)
     if total == 0:
         return DraftOutcome(tokens, drafting, overshoot)
-    step_s = engine.decode_step(concurrency, concurrency * (prompt_len + lens.mean() / 2))
+    live = min(concurrency, total)     # a job with fewer next-step samples than slots
+    step_s = engine.decode_step(live, live * (prompt_len + lens.mean() / 2))
     delay = np.zeros(ranks)                                  # prefill seconds added per rank
     in_flight: list[dict[int, tuple[float, float]]] = [{} for _ in range(ranks)]
     busy_until = arrive.copy()

@@ -22,17 +22,22 @@ twice on the same response lengths (BubbleSpec off and on, as ``bubblespec bench
   the verifier's correction (or bonus) token, so its rollout starts from ``min(a + 1, n)`` known
   tokens and needs ``max(n - a - 2, 0)`` decode steps instead of ``n - 1``; a rank with drafts first
   pays a verify forward (``StepCosts.verify``);
-* speculative continuation (``continuation_k`` > 0): past the verified prefix, the ``m`` response
-  positions the draft still covers are proposed ``k`` at a time and each agrees with probability
-  ``accept_prob``, so a decode step there yields ``(1 - p^(k+1)) / (1 - p)`` tokens on average and
-  those positions cost ``ceil(m / that)`` decode steps instead of ``m``;
+* speculative continuation (``continuation_k`` > 0): a sample with a draft gets proposals from
+  its prompt's drafts; a decode step yields ``1 + g`` tokens on average, with ``g`` the accepted
+  proposal tokens per decode step measured by the bench: ``continuation_gain_past`` on the
+  positions past the draft's end, ``continuation_gain_diverged`` on the positions the draft still
+  covers after a divergence (unset: every proposal re-aligned with the draft, ``k`` at a time, each
+  agreeing with probability ``accept_prob``, so ``g + 1 = (1 - p^(k+1)) / (1 - p)``); expected
+  decode steps, not rounded;
 * after the barrier: the drafting ranks finish their engine step in flight (overshoot), then train
   (cost per token of the rank with the most tokens) and reshard (a constant).
 
-Not modelled: continuation proposals from sibling drafts beyond the sample's own draft, the higher
-cost of a k-token verify step over a plain decode step (a CPU cost), chunked prefill, prefill cost growing with the square of the prompt, preemption or KV-cache limits,
-the all-gather of drafts, and any dependence of acceptance on policy drift beyond one per-token
-probability. Rank timing noise is one lognormal factor per rank and step, independent of the rest.
+Not modelled: continuation on samples without a draft of their own but with drafted siblings,
+proposals' dependence on what the drafts contain (one measured gain per decode step), the higher
+cost of a k-token verify step over a plain decode step (a CPU cost), chunked prefill, prefill cost
+growing with the square of the prompt, preemption or KV-cache limits, the all-gather of drafts, and
+any dependence of acceptance on policy drift beyond one per-token probability. Rank timing noise is
+one lognormal factor per rank and step, independent of the rest.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+from scipy.stats import norm
 
 from megatron_bubblespec.sim.drafting import draft_in_bubble
 
@@ -112,7 +118,9 @@ class LengthModel:
     clipped to ``1..cap``.
 
     ``lognormal``: ``log x ~ Normal(mu, sigma)`` (``sigma = 0``: every response has the same
-    length, the no-variance case); ``empirical``: ``x`` resampled from ``fractions`` (measured
+    length, the no-variance case); with ``cap_share`` > 0 a mixture: a response runs to the cap
+    with probability ``cap_share`` (a model that loops until the budget), else ``log x`` is that
+    normal truncated to ``x < 1``; ``empirical``: ``x`` resampled from ``fractions`` (measured
     lengths over their budget).
     """
 
@@ -120,6 +128,7 @@ class LengthModel:
     mu: float = 0.0
     sigma: float = 0.0
     fractions: tuple[float, ...] = ()
+    cap_share: float = 0.0
 
     def __post_init__(self):
         if self.kind not in ("lognormal", "empirical"):
@@ -128,10 +137,19 @@ class LengthModel:
             raise ValueError("an empirical length model needs measured fractions")
         if self.sigma < 0:
             raise ValueError(f"length model sigma must be >= 0, got {self.sigma}")
+        if not 0.0 <= self.cap_share <= 1.0:
+            raise ValueError(f"length model cap_share must be in [0, 1], got {self.cap_share}")
 
     def sample(self, rng: np.random.Generator, shape, cap: int) -> np.ndarray:
         if self.kind == "empirical":
             x = rng.choice(np.asarray(self.fractions, dtype=float), size=shape)
+        elif self.cap_share > 0:
+            # inverse CDF of the normal truncated to log x < 0, then the point mass at the cap
+            top = norm.cdf(-self.mu / self.sigma) if self.sigma > 0 else float(self.mu < 0)
+            u = np.clip(rng.random(shape) * top, 1e-300, None)
+            x = (np.exp(self.mu + self.sigma * norm.ppf(u)) if self.sigma > 0
+                 else np.full(shape, math.exp(min(self.mu, 0.0))))
+            x = np.where(rng.random(shape) < self.cap_share, 1.0, x)
         else:
             x = np.exp(self.mu + self.sigma * rng.standard_normal(shape))
         return np.clip(np.ceil(x * cap - 1e-9), 1, cap).astype(np.int64)
@@ -139,6 +157,12 @@ class LengthModel:
     def describe(self) -> str:
         if self.kind == "empirical":
             return f"empirical ({len(self.fractions)} measured fractions of the budget)"
+        if self.cap_share > 0:
+            below = (math.exp(self.mu + self.sigma * norm.ppf(norm.cdf(-self.mu / self.sigma) / 2))
+                     if self.sigma > 0 else math.exp(min(self.mu, 0.0)))
+            return (f"{self.cap_share:.1%} run to the budget; the rest a lognormal fraction of "
+                    f"the budget (mu {self.mu:.3g}, sigma {self.sigma:.3g}) truncated below it, "
+                    f"median {below:.3g}")
         return (f"lognormal fraction of the budget: median {math.exp(self.mu):.3g}, "
                 f"sigma {self.sigma:.3g}")
 
@@ -158,6 +182,11 @@ class Setting:
     jitter: float = 0.0               # log-sd of a rank's rollout speed, drawn per rank and step
     spec: bool = True
     continuation_k: int = 0           # spec.spec_k with spec.speculative_continuation, else 0
+    # continuation's accepted tokens per decode step (0 = none), on positions past a draft's end
+    # and on the positions a draft still covers after a divergence (None there: every proposal
+    # re-aligned with the draft and agreeing with probability accept_prob, the optimistic case)
+    continuation_gain_past: float = 0.0
+    continuation_gain_diverged: float | None = None
 
     def __post_init__(self):
         for name in ("ranks", "samples_per_rank", "max_new_tokens", "draft_concurrency",
@@ -166,6 +195,10 @@ class Setting:
                 raise ValueError(f"setting {name} must be >= 1, got {getattr(self, name)}")
         if self.continuation_k < 0:
             raise ValueError(f"continuation_k must be >= 0, got {self.continuation_k}")
+        for name in ("continuation_gain_past", "continuation_gain_diverged"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
         if self.jitter < 0:
             raise ValueError(f"jitter must be >= 0, got {self.jitter}")
         if not 0.0 <= self.accept_prob <= 1.0:
@@ -186,9 +219,13 @@ class StepTrace:
     step_on: list = field(default_factory=list)
     decode_off: list = field(default_factory=list)       # per-sample decode steps, summed
     decode_on: list = field(default_factory=list)
+    engine_off: list = field(default_factory=list)       # slowest rank's engine steps
+    engine_on: list = field(default_factory=list)
+    response_tokens: list = field(default_factory=list)
     drafted_samples: list = field(default_factory=list)
     drafted_tokens: list = field(default_factory=list)
     accepted_tokens: list = field(default_factory=list)
+    continuation_tokens: list = field(default_factory=list)  # decode steps continuation saved
 
 
 def _ratio(num: float, den: float) -> float:
@@ -210,6 +247,9 @@ def summarize(trace: StepTrace, ranks: int) -> dict:
         "bubble_ratio_on": _ratio(t["idle_on"].sum(), ranks * t["rollout_on"].sum()),
         "bubble_utilization": _ratio(t["drafting_on"].sum(), t["idle_on"].sum()),
         "decode_steps_ratio": _ratio(t["decode_on"][s1].sum(), t["decode_off"][s1].sum()),
+        "engine_steps_ratio": _ratio(t["engine_on"][s1].sum(), t["engine_off"][s1].sum()),
+        "draft_coverage": _ratio(t["drafted_tokens"][s1].sum(), t["response_tokens"][s1].sum()),
+        "continuation_accepted_tokens": float(t["continuation_tokens"].sum()),
         "throughput_ratio": _ratio(roll_off, roll_on),
         "throughput_ratio_with_verify": _ratio(roll_off, roll_on + verify),
         "step_speedup": _ratio(t["step_off"][s1].sum(), t["step_on"][s1].sum()),
@@ -240,6 +280,21 @@ def tokens_per_continuation_step(accept_prob: float, k: int) -> float:
     if accept_prob >= 1.0:
         return float(k + 1)
     return (1.0 - accept_prob ** (k + 1)) / (1.0 - accept_prob)
+
+
+def continued_decode_steps(setting: Setting, decode_steps: np.ndarray, drafted: np.ndarray,
+                           known: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """Decode steps left to samples with a draft once speculative continuation proposes tokens:
+    the positions the draft still covers past the verified prefix (after a divergence) and the
+    positions past the draft's end, each a decode step that yields ``1 + gain`` tokens on
+    average (``Setting.continuation_gain_*``). Samples without a draft have no pool."""
+    covered = np.maximum(np.minimum(drafted, n) - known, 0)
+    past = np.where(drafted > 0, np.maximum(decode_steps - covered, 0), 0)
+    gain = setting.continuation_gain_diverged
+    per_step = (tokens_per_continuation_step(setting.accept_prob, setting.continuation_k)
+                if gain is None else 1.0 + gain)
+    saved = covered - covered / per_step + past - past / (1.0 + setting.continuation_gain_past)
+    return np.maximum(decode_steps - saved, 0.0)
 
 
 def _speed(rng: np.random.Generator, ranks: int, jitter: float) -> np.ndarray:
@@ -282,10 +337,9 @@ def simulate(setting: Setting, costs: StepCosts, lengths: LengthModel | None = N
         accepted = accepted_prefix(rng, verified, setting.accept_prob)
         known = np.where(verified > 0, np.minimum(accepted + 1, n), 0)
         decode_on = np.maximum(n - known - 1, 0)
+        plain_on = decode_on
         if setting.continuation_k:
-            covered = np.maximum(np.minimum(verified, n) - known, 0)
-            per_step = tokens_per_continuation_step(setting.accept_prob, setting.continuation_k)
-            decode_on = np.maximum(decode_on - covered + np.ceil(covered / per_step), 0)
+            decode_on = continued_decode_steps(setting, decode_on, verified, known, n)
         verify = np.where((verified > 0).any(axis=-1), costs.verify_s + costs.verify_token_s
                           * np.where(verified > 0, P + verified, 0).sum(axis=-1), 0.0)
         roll_on = engine.rollout(decode_on, known, P) * _speed(rng, R, setting.jitter)
@@ -310,6 +364,10 @@ def simulate(setting: Setting, costs: StepCosts, lengths: LengthModel | None = N
         trace.step_on.append(close + overshoot.max() + train + costs.reshard_s)
         trace.decode_off.append((n - 1).sum())
         trace.decode_on.append(decode_on.sum())
+        trace.engine_off.append((n - 1).max() + 1)
+        trace.engine_on.append(decode_on.max() + 1)
+        trace.response_tokens.append(n.sum())
+        trace.continuation_tokens.append((plain_on - decode_on).sum())
         trace.drafted_samples.append((verified > 0).sum())
         trace.drafted_tokens.append(verified.sum())
         trace.accepted_tokens.append(accepted.sum())

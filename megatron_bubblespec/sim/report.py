@@ -19,6 +19,8 @@ CHECK_ROWS = (
     ("bubble ratio, off run", "bubble_ratio_off", percent),
     ("bubble ratio, on run", "bubble_ratio_on", percent),
     ("decode steps on / off", "decode_steps_ratio", number),
+    ("engine steps on / off", "engine_steps_ratio", number),
+    ("draft coverage", "draft_coverage", percent),
     ("throughput on vs off", "throughput_ratio", number),
     ("throughput with verify", "throughput_ratio_with_verify", number),
     ("bubble utilization", "bubble_utilization", percent),
@@ -30,7 +32,9 @@ CHECK_MODES = (("replay", "replay"), ("replay_no_jitter", "replay, no noise"),
 PREDICTION_COLUMNS = (
     ("bubble off", "bubble_ratio_off", percent),
     ("bubble on", "bubble_ratio_on", percent),
+    ("coverage", "draft_coverage", percent),
     ("decode on/off", "decode_steps_ratio", number),
+    ("ceiling", "decode_steps_ratio_ceiling", number),
     ("rollout x", "throughput_ratio", number),
     ("+verify x", "throughput_ratio_with_verify", number),
     ("step x", "step_speedup", number),
@@ -53,6 +57,9 @@ def _context(tokens: int) -> str:
 def check_table(check: Mapping) -> tuple[list[str], list[list[str]]]:
     modes = [(key, label) for key, label in CHECK_MODES if key in check]
     header = ["metric", "measured"] + [f"{h}{label}" for _, label in modes for h in ("", "err ")]
+    spread = "sampled" in check and "sd" in check["sampled"][CHECK_ROWS[0][1]]
+    if spread:
+        header.append("sd of one sampled bench")
     rows = []
     for label, key, fmt in CHECK_ROWS:
         any_mode = check[modes[0][0]][key]
@@ -60,6 +67,8 @@ def check_table(check: Mapping) -> tuple[list[str], list[list[str]]]:
         for mode, _ in modes:
             cell = check[mode][key]
             row += [_f(fmt, cell["simulated"]), _err(cell["rel_error"])]
+        if spread:
+            row.append(_f(fmt, check["sampled"][key]["sd"]))
         rows.append(row)
     return header, rows
 
@@ -87,10 +96,14 @@ def _rich_table(title: str, header: list[str], rows: list[list[str]], caption: s
 
 
 CHECK_CAPTION = ("replay: the measured lengths of every rank and step; err: simulated / measured "
-                 "- 1; noise: the fitted rank timing noise")
-PREDICTION_CAPTION = ("bubble: idle share of rank rollout time; rollout x: off / on rollout time; "
-                      "+verify x: including the verify forward; step x: whole step (train, "
-                      "reshard, overshoot)")
+                 "- 1; noise: the fitted rank timing noise; sampled lengths: drawn from the fitted "
+                 "length model, as many steps as the bench ran; sd: the spread of one such "
+                 "simulated bench around the mean")
+PREDICTION_CAPTION = ("bubble: idle share of rank rollout time; coverage: drafted share of the "
+                      "response tokens; ceiling: 1 - acceptance x coverage, the lowest decode "
+                      "on/off exact verification allows with these drafts; rollout x: off / on "
+                      "rollout time; +verify x: including the verify forward; step x: whole step "
+                      "(train, reshard, overshoot)")
 
 
 def describe(result: Mapping) -> list[str]:
@@ -105,7 +118,13 @@ def describe(result: Mapping) -> list[str]:
         f"grid: {s['samples_per_rank']} samples per rank, prompt {s['prompt_len']} tokens, "
         f"response budget = context - prompt, draft budget {grid['draft_budget']}, "
         f"acceptance per token {s['accept_prob']:.4g}, rank timing noise (log-sd) "
-        f"{s['jitter']:.3g}, {s['draft_concurrency']} drafts in flight, chunk {s['draft_chunk']}",
+        f"{s['jitter']:.3g}, {s['draft_concurrency']} drafts in flight, chunk {s['draft_chunk']}, "
+        + (f"continuation k {s['continuation_k']}: accepted tokens per decode step "
+           f"{s['continuation_gain_past']:.3g} past a draft's end, "
+           + ("re-aligned at the per-token acceptance"
+              if s['continuation_gain_diverged'] is None
+              else f"{s['continuation_gain_diverged']:.3g}") + " after a divergence"
+           if s['continuation_k'] else "no continuation"),
         f"lengths: {grid['lengths']}",
         f"{grid['steps']} steps x {grid['seeds']} seeds per point; cost ratios over steps >= 1",
     ]
@@ -136,8 +155,8 @@ def markdown(result: Mapping) -> str:
 
 
 def plot(result: Mapping, path: Path) -> None:
-    """Three panels against DP ranks, one line per context: bubble off, decode steps ratio,
-    rollout speedup with verify."""
+    """Three panels against DP ranks, one line per context: bubble off, decode steps ratio (with
+    its ceiling dashed, where the rows carry it), rollout speedup with verify."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import PercentFormatter
@@ -146,14 +165,21 @@ def plot(result: Mapping, path: Path) -> None:
     fig = Figure(figsize=(13, 4))
     FigureCanvasAgg(fig)
     panels = (("bubble ratio, BubbleSpec off", "bubble_ratio_off"),
-              ("decode steps on / off", "decode_steps_ratio"),
+              ("decode steps on / off (dashed: ceiling)", "decode_steps_ratio"),
               ("rollout speedup incl. verify", "throughput_ratio_with_verify"))
     for i, (title, key) in enumerate(panels):
         ax = fig.add_subplot(1, 3, i + 1)
         for context in sorted({p["context"] for p in predictions}):
             points = sorted((p["ranks"], p[key]) for p in predictions if p["context"] == context)
-            ax.plot([r for r, _ in points], [v if v is not None else math.nan for _, v in points],
-                    marker="o", label=f"{_context(context)} context")
+            line, = ax.plot([r for r, _ in points],
+                            [v if v is not None else math.nan for _, v in points],
+                            marker="o", label=f"{_context(context)} context")
+            if key == "decode_steps_ratio" and all("decode_steps_ratio_ceiling" in p
+                                                   for p in predictions):
+                ceiling = sorted((p["ranks"], p["decode_steps_ratio_ceiling"])
+                                 for p in predictions if p["context"] == context)
+                ax.plot([r for r, _ in ceiling], [v for _, v in ceiling], linestyle="--",
+                        color=line.get_color(), alpha=0.7)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("data-parallel ranks")
         ax.set_title(title)
