@@ -28,11 +28,10 @@ from __future__ import annotations
 import torch
 
 from megatron_bubblespec.sampling import SamplingParams, keyed_sample
-from megatron_bubblespec.sampling.keyed import uniform_at
+from megatron_bubblespec.sampling.keyed import U_MAX, uniform_at
 
 PROBE = 8            # tokens per row whose exact scores set the bar
 _PAD = 64            # element multiple of the gathered tensors (whole vector iterations)
-_U_MAX = 1.0 - 2.0 ** -24   # the sampler's largest u (the largest float32 below 1.0)
 _MARGIN = 1e-3       # G_MAX is rounded up by this much: a superset of candidates is harmless
 
 
@@ -46,7 +45,7 @@ def _gumbel(u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _g_max(dtype: torch.dtype) -> float:
-    return float(_gumbel(torch.tensor([_U_MAX], dtype=torch.float32), dtype)[0]) + _MARGIN
+    return float(_gumbel(torch.tensor([U_MAX], dtype=torch.float32), dtype)[0]) + _MARGIN
 
 
 def _top_p_keep(scaled: torch.Tensor, keep: torch.Tensor, top_p: float) -> torch.Tensor:

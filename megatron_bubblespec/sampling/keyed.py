@@ -61,7 +61,7 @@ _SALT_KEY = 0x9E3779B9
 _SALT_POS = 0x85EBCA6B
 _SALT_ROW = 0xC2B2AE35
 _UNIT24 = 1.0 / (1 << 24)
-_U_MAX = 1.0 - _UNIT24          # the largest float32 below 1.0: every noise value is finite
+U_MAX = 1.0 - _UNIT24           # the largest float32 below 1.0: every noise value is finite
 
 STREAM_SAMPLE = 0
 STREAM_ACCEPT = 1    # uniform for the min(1, p/q) acceptance test (ablation rule)
@@ -126,7 +126,7 @@ def _hash(keys: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor,
 
 
 def _to_unit(h: torch.Tensor) -> torch.Tensor:
-    return (((h >> 8).to(torch.float32) + 0.5) * _UNIT24).clamp_(max=_U_MAX)
+    return (((h >> 8).to(torch.float32) + 0.5) * _UNIT24).clamp_(max=U_MAX)
 
 
 def noise_bits(keys, positions, token_ids, stream: int = STREAM_SAMPLE) -> torch.Tensor:
