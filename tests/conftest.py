@@ -23,8 +23,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_runs(tmp_path_factory):
     """configs/tiny.yaml trained twice, BubbleSpec on and off (records, rollouts, final weights);
-    run directories ``root/spec-on`` and ``root/spec-off`` (a bare ``on`` would parse as a YAML
-    boolean)."""
+    run directories ``root/spec-on`` and ``root/spec-off``."""
     from megatron_bubblespec.config import load_config
     from megatron_bubblespec.loop.train import train
 

@@ -14,6 +14,13 @@ def test_defaults_and_overrides(tmp_path):
     assert cfg.config_path == str(path)
 
 
+def test_text_overrides_keep_their_text():
+    """YAML reads off as false and 1e3 as a float; a text field takes the text as typed."""
+    cfg = load_config(None, ["run.name=off", "model.path=1e3", "run.steps=3", "spec.enabled=off"])
+    assert (cfg.run.name, cfg.model.path) == ("off", "1e3")
+    assert cfg.run.steps == 3 and cfg.spec.enabled is False   # typed fields still parse
+
+
 @pytest.mark.parametrize("overrides,fragment", [
     (["spec.enable=false"], "spec.enable"),
     (["rollout.temperature=hot"], "rollout.temperature"),

@@ -10,6 +10,8 @@ by ``megatron_bubblespec.preflight``.
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from pathlib import Path
 
 from omegaconf import OmegaConf
@@ -54,12 +56,29 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                               "(for example spec.enabled=false)")
     try:
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+        for key, text in _text_overrides(overrides):
+            OmegaConf.update(merged, key, text)
     except OmegaConfBaseException as err:
         raise _friendly(err, "command line") from None
     cfg: Config = OmegaConf.to_object(merged)
     cfg.config_path = str(path) if path is not None else None
     validate(cfg)
     return cfg
+
+
+def _text_overrides(overrides) -> list[tuple[str, str]]:
+    """The overrides of text fields, with their text verbatim: ``run.name=off`` names a run "off"
+    (the dotlist parser reads YAML, where off is the boolean false and 1e3 a float)."""
+    out = []
+    for item in overrides:
+        key, _, text = item.partition("=")
+        node, hint = Config, None
+        for part in key.split("."):
+            hints = typing.get_type_hints(node) if dataclasses.is_dataclass(node) else {}
+            node = hint = hints.get(part)
+        if hint in (str, typing.Optional[str]):
+            out.append((key, text))
+    return out
 
 
 def validate(cfg: Config) -> None:
