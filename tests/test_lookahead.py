@@ -128,3 +128,35 @@ def test_drafting_order_alternates_over_the_ranks():
     assert sorted(order) == list(range(batch.num_samples))
     owners = [0 if order[i] in batch.rank_sample_range(0) else 1 for i in range(len(order))]
     assert owners == [0, 1] * (batch.num_samples // 2)
+
+
+def test_draft_targets_stop_at_the_runs_last_step():
+    from types import SimpleNamespace
+
+    from megatron_bubblespec.loop.step import draft_targets
+
+    def cfg(lookahead, horizon, steps=10):
+        return SimpleNamespace(spec=SimpleNamespace(draft_lookahead=lookahead,
+                                                    draft_horizon=horizon),
+                               run=SimpleNamespace(steps=steps))
+
+    assert draft_targets(cfg(1, 1), 3) == [4]
+    assert draft_targets(cfg(1, 3), 3) == [4, 5, 6]
+    assert draft_targets(cfg(2, 2), 3) == [5, 6]
+    assert draft_targets(cfg(1, 3), 7) == [8, 9]
+    assert draft_targets(cfg(1, 3), 9) == []
+
+
+def test_a_draft_is_complete_at_eos_or_at_the_budget():
+    from megatron_bubblespec.loop.step import draft_complete
+    from megatron_bubblespec.spec.drafts import Draft
+
+    def draft(*tokens):
+        return Draft(0, 1, 0, tokens)
+
+    eos = (2,)
+    assert not draft_complete(None, 4, eos)
+    assert not draft_complete(draft(), 4, eos)
+    assert not draft_complete(draft(5, 6, 7), 4, eos)      # aborted mid-way: a later bubble extends it
+    assert draft_complete(draft(5, 6, 2), 4, eos)          # ended with EOS
+    assert draft_complete(draft(5, 6, 7, 8), 4, eos)       # ran to the draft budget

@@ -108,6 +108,42 @@ def test_drafts_two_steps_old_stay_exact(runs, tmp_path):
     assert sum(r["spec/accepted_tokens"] for r in stale["records"]) > 0
 
 
+def _horizon_worker(cfg):
+    replica = build_replica(cfg)
+    rollouts, queues, metrics = [], [], []
+    for step in range(3):
+        out = run_step(replica, step)
+        rollouts.append(out.rollouts)
+        metrics.append(out.rank_metrics)
+        queues.append({s: {g: d.tokens for g, d in q.items()}
+                       for s, q in replica.draft_queue.items()})
+    _shutdown(replica)
+    return rollouts, queues, metrics
+
+
+def test_bubbles_draft_several_steps_ahead_and_extend_partial_drafts(runs, tmp_path):
+    """spec.draft_horizon=3: step 0's bubble drafts steps 1-3 at once, step 1's bubble extends the
+    step-2 drafts it left partial (each later draft starts with the earlier one), every rank holds
+    every rank's drafts, and the tokens are the plain run's, drafts accepted and rejected."""
+    _, off = runs
+    cfg = _cfg(tmp_path, "horizon", "spec.draft_horizon=3", "run.steps=4")
+    per_rank = launch_local(_horizon_worker, 2, cfg,
+                            env={"TORCHDYNAMO_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    (rollouts0, queues, metrics0), (rollouts1, queues1, metrics1) = per_rank
+    assert queues == queues1
+    for step in range(3):
+        assert {**rollouts0[step], **rollouts1[step]} == off["rollouts"][step], step
+    after0, after1 = queues[0], queues[1]
+    assert {1, 2} <= set(after0) and after0[2], "step 0's bubble drafted nothing for step 2"
+    assert 1 not in after1 and set(after1) <= {2, 3}  # step 1's drafts were used; 4 is past the end
+    for g, earlier in after0[2].items():
+        assert after1[2][g][:len(earlier)] == earlier, f"step-2 draft {g} was not extended in place"
+    assert sum(len(after1[2][g]) > len(t) for g, t in after0[2].items()) > 0
+    drafted = sum(m["spec/drafted_tokens"] for m in metrics0 + metrics1)
+    accepted = sum(m["spec/accepted_tokens"] for m in metrics0 + metrics1)
+    assert 0 < accepted < drafted, (accepted, drafted)
+
+
 def test_previous_epoch_drafts_stay_exact(tmp_path):
     """SPEC-RL-like drafts (last epoch's responses of the same prompt) under the keyed rule:
     proposals only, so the plain run's tokens."""

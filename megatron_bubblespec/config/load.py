@@ -127,10 +127,12 @@ def validate(cfg: Config) -> None:
                               "the keyed rule; set spec.speculative_continuation=false")
         if cfg.rollout.temperature == 0:
             raise ConfigError(f"spec.rule={cfg.spec.rule!r} needs rollout.temperature > 0")
-        if cfg.spec.draft_lookahead != 1 or cfg.spec.draft_source != "bubble":
+        if (cfg.spec.draft_lookahead != 1 or cfg.spec.draft_horizon != 1
+                or cfg.spec.draft_source != "bubble"):
             raise ConfigError(f"spec.rule={cfg.spec.rule!r} compares rules on BubbleSpec's own "
                               "drafts (the engine keeps only the last policy): use "
-                              "spec.draft_lookahead=1 and spec.draft_source=bubble")
+                              "spec.draft_lookahead=1, spec.draft_horizon=1 and "
+                              "spec.draft_source=bubble")
     if (cfg.rollout.engine == "vllm" and cfg.spec.enabled and cfg.spec.speculative_continuation
             and cfg.spec.spec_k > VLLM_MAX_SPEC_TOKENS):
         raise ConfigError(f"spec.spec_k={cfg.spec.spec_k}: vLLM's rejection sampler verifies at "

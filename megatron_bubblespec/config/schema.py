@@ -78,6 +78,7 @@ class SpecConfig:
     barrier_timeout_s: float = 600.0
     draft_source: str = "bubble"    # bubble (BubbleSpec) | previous_epoch (SPEC-RL-like, ablation)
     draft_lookahead: int = 1        # bubble drafts are made for step t + k (k > 1: staler drafts)
+    draft_horizon: int = 1          # bubbles draft steps t+k .. t+k+H-1 (later ones fill the batch)
 
 
 @dataclass
@@ -161,6 +162,7 @@ BOUNDS = {
     "rollout.gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "rollout.max_num_batched_tokens": (lambda v: v >= 16, ">= 16"),
     "spec.draft_lookahead": (lambda v: v >= 1, ">= 1"),
+    "spec.draft_horizon": (lambda v: v >= 1, ">= 1"),
     "spec.lenience": (lambda v: v >= 1, ">= 1"),
     "run.keep_checkpoints": (lambda v: v >= 1, ">= 1"),
     "run.stall_timeout_s": (lambda v: v >= 0, ">= 0 (0 = off)"),

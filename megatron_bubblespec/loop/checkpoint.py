@@ -151,10 +151,9 @@ def load_checkpoint_into(rep, path: Path) -> int:
     load_trainer(rep.trainer, path / "megatron")
     rep.sampler.load_state_dict(state["sampler"])
     rep.weight_version = int(state["weight_version"])
-    queue = {int(step): _drafts(rows) for step, rows in state["draft_queue"].items()}
-    mine = {step: rep.sampler.batch(step).rank_sample_range(rep.dp_rank) for step in queue}
-    rep.draft_queue = {step: {g: d for g, d in drafts.items() if g in mine[step]}
-                       for step, drafts in queue.items()}
+    # Every rank keeps every rank's drafts (loop.step.bubble_and_exchange), so a resumed run
+    # drafts the same samples as an uninterrupted one, whatever its DP size.
+    rep.draft_queue = {int(step): _drafts(rows) for step, rows in state["draft_queue"].items()}
     rng = path / "rng" / f"rank{dist.get_rank()}.pt"
     if rng.is_file():   # absent when resuming with more ranks than the checkpoint had
         _set_rng_state(torch.load(rng, weights_only=False))

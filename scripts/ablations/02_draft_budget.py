@@ -1,13 +1,17 @@
-"""Study 2: the draft budget, spec.max_draft_tokens (tokens drafted per sample) and spec.draft_chunk
-(samples a fast rank claims from the shared cursor at a time).
+"""Study 2: the draft budget, spec.max_draft_tokens (tokens drafted per sample), spec.draft_chunk
+(samples a fast rank claims from the shared cursor at a time) and spec.draft_horizon (steps a
+bubble drafts ahead).
 
 A larger token budget lets a draft cover more of a response but spends the bubble on fewer
-samples; a larger chunk makes fewer claims but leaves the cursor's tail less evenly shared. Each
-knob is swept around the config's value of the other (``--full-grid``: every pair). Spec keys do
-not change the plain run, so all variants share one off run.
+samples; a larger chunk makes fewer claims but leaves the cursor's tail less evenly shared; a
+longer horizon fills the drafting batch with later steps' samples (older drafts by the time they
+are verified) once the next step's are all in flight. Each knob is swept around the config's
+values of the others (``--full-grid``: every combination). Spec keys do not change the plain run,
+so all variants share one off run.
 
     python scripts/ablations/02_draft_budget.py [--config configs/tiny.yaml] [--steps N]
-        [--max-draft-tokens 8,24,48] [--draft-chunk 1,2,4] [--full-grid] [dotted overrides...]
+        [--max-draft-tokens 8,24,48] [--draft-chunk 1,2,4] [--draft-horizon 1,2,3] [--full-grid]
+        [dotted overrides...]
 """
 
 from __future__ import annotations
@@ -30,20 +34,25 @@ def main(argv=None) -> None:
                    help="values of spec.max_draft_tokens (default %(default)s)")
     p.add_argument("--draft-chunk", type=common.csv(int), default=[1, 2, 4],
                    help="values of spec.draft_chunk (default %(default)s)")
+    p.add_argument("--draft-horizon", type=common.csv(int), default=[1, 2, 3],
+                   help="values of spec.draft_horizon (default %(default)s)")
     p.add_argument("--full-grid", action="store_true",
-                   help="every (max_draft_tokens, draft_chunk) pair instead of one knob at a time")
+                   help="every combination of the three knobs instead of one knob at a time")
     args = p.parse_args(argv)
     common.learning_defaults(args)
     spec = common.load(args.config, common.base_overrides(args)).spec
+    base = (spec.max_draft_tokens, spec.draft_chunk, spec.draft_horizon)
     if args.full_grid:
-        pairs = list(itertools.product(args.max_draft_tokens, args.draft_chunk))
+        grid = list(itertools.product(args.max_draft_tokens, args.draft_chunk, args.draft_horizon))
     else:
-        pairs = [(m, spec.draft_chunk) for m in args.max_draft_tokens]
-        pairs += [(spec.max_draft_tokens, c) for c in args.draft_chunk]
-    pairs = list(dict.fromkeys(pairs))
-    variants = [common.Variant(f"{m} tok, chunk {c}",
-                               [f"spec.max_draft_tokens={m}", f"spec.draft_chunk={c}"])
-                for m, c in pairs]
+        grid = [(m, base[1], base[2]) for m in args.max_draft_tokens]
+        grid += [(base[0], c, base[2]) for c in args.draft_chunk]
+        grid += [(base[0], base[1], h) for h in args.draft_horizon]
+    grid = list(dict.fromkeys(grid))
+    variants = [common.Variant(f"{m} tok, chunk {c}, horizon {h}",
+                               [f"spec.max_draft_tokens={m}", f"spec.draft_chunk={c}",
+                                f"spec.draft_horizon={h}"])
+                for m, c, h in grid]
     result = common.run_study(STUDY, args, variants)
     common.finish(result, TITLE, COLUMNS, panels=[
         common.bars("accept_rate", "accept rate (accepted / drafted tokens)", percent),
