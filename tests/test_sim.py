@@ -82,6 +82,22 @@ def test_drafting_hands_out_samples_from_index_zero_once_each():
     assert outcome.drafting_s[0] > outcome.drafting_s[1] > 0
 
 
+def test_a_drafting_horizon_drafts_later_steps_in_a_long_bubble():
+    """Step 0 has one long bubble, the later steps none: drafting 3 steps ahead covers steps 2-3
+    as well, continuing partial drafts, and never drafts past a response's length."""
+    lengths = np.array([[[50, 60], [1000, 990]]] + [[[800, 790], [800, 790]]] * 3)
+    runs = {h: simulate(setting(ranks=2, samples_per_rank=2, draft_horizon=h), COSTS,
+                        measured_lengths=lengths) for h in (1, 3)}
+    one, three = runs[1], runs[3]
+    assert three["draft_coverage"] > one["draft_coverage"] > 0
+    assert three["decode_steps_ratio"] < one["decode_steps_ratio"]
+    drafted = np.array(three["trace"]["drafted_tokens"])
+    assert drafted[2] > 0 and drafted[3] > 0
+    assert (drafted <= lengths.reshape(4, -1).sum(axis=1)).all()
+    with pytest.raises(ValueError, match="draft_horizon"):
+        setting(draft_horizon=0)
+
+
 def test_fitted_length_model_recovers_a_censored_lognormal():
     truth = LengthModel("lognormal", mu=math.log(0.4), sigma=0.7)
     lengths = truth.sample(np.random.default_rng(0), (4000,), 2000)

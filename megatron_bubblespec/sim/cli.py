@@ -114,6 +114,7 @@ def grid_setting(cal, args):
         setting = replace(setting, samples_per_rank=max(
             r.prompts_per_step * r.samples_per_prompt // cfg.parallel.data, 1),
             draft_chunk=cfg.spec.draft_chunk, draft_concurrency=cfg.spec.draft_in_flight,
+            draft_horizon=cfg.spec.draft_horizon,
             continuation_k=cfg.spec.spec_k if cfg.spec.speculative_continuation else 0)
         budget_frac = min(cfg.spec.max_draft_tokens, r.max_new_tokens) / r.max_new_tokens
         prompt = prompt_length(cfg)
@@ -126,6 +127,8 @@ def grid_setting(cal, args):
         changes["prompt_len"] = args.prompt_len
     if args.accept_prob is not None:
         changes["accept_prob"] = args.accept_prob
+    if args.draft_horizon is not None:
+        changes["draft_horizon"] = args.draft_horizon
     if args.jitter is not None:
         changes["jitter"] = args.jitter
     if args.continuation_diverged != "calibrated":
@@ -233,6 +236,9 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--max-draft-tokens", type=int, default=None,
                         help="draft budget in tokens (default: the calibrated fraction of the "
                         "response budget)")
+    parser.add_argument("--draft-horizon", type=int, default=None,
+                        help="steps a bubble drafts ahead (spec.draft_horizon; default: the "
+                             "calibrated job's, or --config's)")
     parser.add_argument("--samples-per-rank", type=int, default=None)
     parser.add_argument("--prompt-len", type=int, default=None,
                         help="prompt tokens (default: measured from the bench config's task)")

@@ -16,7 +16,9 @@ twice on the same response lengths (BubbleSpec off and on, as ``bubblespec bench
 * barrier: the step waits for the slowest rank; a rank's bubble is its idle time there (from its
   arrival until it sees the barrier close, so a drafting rank's overshoot counts) and the step's
   bubble ratio is ``sum idle / (R * slowest rollout time)`` (the bench's ``bubble/ratio``);
-* BubbleSpec on: idle ranks draft the next step's samples (``sim.drafting``); at the next step a
+* BubbleSpec on: idle ranks draft the next step's samples (``sim.drafting``), with
+  ``draft_horizon`` H > 1 those of the H - 1 steps after it too, continuing the drafts an earlier
+  bubble left short (``_draft_ahead``); at the step a
   sample with a draft of ``d`` tokens keeps an accepted prefix ``a = min(G, d)`` with ``G``
   geometric (every draft token is accepted with probability ``accept_prob``, independently), plus
   the verifier's correction (or bonus) token, so its rollout starts from ``min(a + 1, n)`` known
@@ -179,6 +181,7 @@ class Setting:
     accept_prob: float = 1.0
     draft_concurrency: int = 32       # BubbleDrafter's in_flight (spec.draft_in_flight)
     draft_chunk: int = 2              # spec.draft_chunk
+    draft_horizon: int = 1            # spec.draft_horizon: steps a bubble drafts ahead
     jitter: float = 0.0               # log-sd of a rank's rollout speed, drawn per rank and step
     spec: bool = True
     continuation_k: int = 0           # spec.spec_k with spec.speculative_continuation, else 0
@@ -190,7 +193,7 @@ class Setting:
 
     def __post_init__(self):
         for name in ("ranks", "samples_per_rank", "max_new_tokens", "draft_concurrency",
-                     "draft_chunk"):
+                     "draft_chunk", "draft_horizon"):
             if getattr(self, name) < 1:
                 raise ValueError(f"setting {name} must be >= 1, got {getattr(self, name)}")
         if self.continuation_k < 0:
@@ -303,6 +306,30 @@ def _speed(rng: np.random.Generator, ranks: int, jitter: float) -> np.ndarray:
     return np.exp(jitter * rng.standard_normal(ranks) - jitter ** 2 / 2)
 
 
+def _draft_ahead(setting: Setting, engine, pending: dict[int, np.ndarray], all_lengths,
+                 step: int, arrive: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
+    """Step ``step``'s bubble drafts steps step+1 .. step+H (``Setting.draft_horizon``): every
+    sample whose draft is still short of its length (the response under the current policy, cut
+    at the budget) continues from where an earlier bubble left it, next step first. Updates
+    ``pending``; returns drafting and overshoot seconds per rank. A draft's age does not change
+    its acceptance here (one ``accept_prob`` for all)."""
+    targets = [s for s in range(step + 1, step + 1 + setting.draft_horizon)
+               if s < len(all_lengths)]
+    if not targets:
+        return np.zeros(len(arrive)), np.zeros(len(arrive))
+    shape = all_lengths[0].shape
+    done = np.concatenate([pending.get(s, np.zeros(shape, dtype=np.int64)).reshape(-1)
+                           for s in targets])
+    full = np.concatenate([np.minimum(all_lengths[s], budget).reshape(-1) for s in targets])
+    todo = np.flatnonzero(done < full)
+    outcome = draft_in_bubble(arrive, full[todo] - done[todo], engine, setting.prompt_len,
+                              concurrency=setting.draft_concurrency, chunk=setting.draft_chunk)
+    done[todo] += outcome.tokens
+    for s, drafted in zip(targets, done.reshape(len(targets), *shape)):
+        pending[s] = drafted
+    return outcome.drafting_s, outcome.overshoot_s
+
+
 def simulate(setting: Setting, costs: StepCosts, lengths: LengthModel | None = None, *,
              steps: int = 20, seed: int = 0, measured_lengths: np.ndarray | None = None) -> dict:
     """Simulate ``steps`` paired steps; returns ``summarize``'s dict plus ``trace`` (per step).
@@ -325,15 +352,15 @@ def simulate(setting: Setting, costs: StepCosts, lengths: LengthModel | None = N
     budget = min(setting.max_draft_tokens, setting.max_new_tokens)
     drafting = setting.spec and budget > 0
     trace = StepTrace()
-    drafts = np.zeros((R, B), dtype=np.int64)
+    pending: dict[int, np.ndarray] = {}     # step -> (R, B) drafted tokens of its samples so far
     for step, n in enumerate(all_lengths):
         # BubbleSpec off: every token decoded
         none = np.zeros_like(n)
         roll_off = engine.rollout(n - 1, none, P) * _speed(rng, R, setting.jitter)
         t_off = roll_off.max()
         train = costs.train_token_s * (n + P).sum(axis=-1).max()
-        # BubbleSpec on: verify the drafts made in the previous step's bubble, then roll out
-        verified = drafts
+        # BubbleSpec on: verify the drafts made in earlier bubbles, then roll out
+        verified = pending.pop(step, np.zeros((R, B), dtype=np.int64))
         accepted = accepted_prefix(rng, verified, setting.accept_prob)
         known = np.where(verified > 0, np.minimum(accepted + 1, n), 0)
         decode_on = np.maximum(n - known - 1, 0)
@@ -346,14 +373,9 @@ def simulate(setting: Setting, costs: StepCosts, lengths: LengthModel | None = N
         arrive = verify + roll_on
         close = arrive.max()
         drafting_s = overshoot = np.zeros(R)
-        drafts = np.zeros((R, B), dtype=np.int64)
-        if drafting and step + 1 < len(all_lengths):
-            draft_lens = np.minimum(all_lengths[step + 1].reshape(-1), budget)
-            outcome = draft_in_bubble(arrive, draft_lens, engine, P,
-                                      concurrency=setting.draft_concurrency,
-                                      chunk=setting.draft_chunk)
-            drafts = outcome.tokens.reshape(R, B)
-            drafting_s, overshoot = outcome.drafting_s, outcome.overshoot_s
+        if drafting:
+            drafting_s, overshoot = _draft_ahead(setting, engine, pending, all_lengths, step,
+                                                 arrive, budget)
         trace.rollout_off.append(t_off)
         trace.rollout_on.append(roll_on.max())
         trace.idle_off.append((t_off - roll_off).sum())
