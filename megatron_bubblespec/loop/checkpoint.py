@@ -107,15 +107,9 @@ def save_checkpoint(rep, root: Path, completed_steps: int, keep: int) -> Path:
     dist.barrier()
     save_trainer(rep.trainer, partial / "megatron")
     torch.save(_rng_state(), partial / "rng" / f"rank{rank}.pt")
-    # Every DP replica's pending drafts (leaders hold them; the other ranks hold copies).
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, {s: _draft_rows(q) for s, q in rep.draft_queue.items()})
     if rank == 0:
-        queue: dict[str, list] = {}
-        for part in everyone:
-            for step, rows in (part or {}).items():
-                merged = {row[0]: row for row in queue.get(str(step), []) + rows}
-                queue[str(step)] = [merged[g] for g in sorted(merged)]
+        # Every rank holds every rank's pending drafts (loop.step.bubble_and_exchange).
+        queue = {str(step): _draft_rows(q) for step, q in sorted(rep.draft_queue.items())}
         state = {
             "format": FORMAT_VERSION,
             "completed_steps": completed_steps,
@@ -151,8 +145,8 @@ def load_checkpoint_into(rep, path: Path) -> int:
     load_trainer(rep.trainer, path / "megatron")
     rep.sampler.load_state_dict(state["sampler"])
     rep.weight_version = int(state["weight_version"])
-    # Every rank keeps every rank's drafts (loop.step.bubble_and_exchange), so a resumed run
-    # drafts the same samples as an uninterrupted one, whatever its DP size.
+    # The whole queue, as every rank keeps it: a resumed run drafts the same samples as an
+    # uninterrupted one, whatever its DP size.
     rep.draft_queue = {int(step): _drafts(rows) for step, rows in state["draft_queue"].items()}
     rng = path / "rng" / f"rank{dist.get_rank()}.pt"
     if rng.is_file():   # absent when resuming with more ranks than the checkpoint had

