@@ -19,8 +19,14 @@ pytestmark = pytest.mark.slow   # multi-process or real-model runs: minutes on 2
 NEXT_SAMPLES, DRAFT_TOKENS = 256, 400  # far more than a bubble can draft: drafts end partial
 
 
-def _next_request(i):
-    return RolloutRequest(f"draft-{i}", [5 + i % 7, 9, 11], sample_key(1, 8, i // 4, i % 4), DRAFT_TOKENS)
+NEXT_STEP = 8
+SAMPLES = [(NEXT_STEP, i) for i in range(NEXT_SAMPLES)]
+
+
+def _next_request(sample):
+    step, i = sample
+    return RolloutRequest(f"draft-{step}-{i}", [5 + i % 7, 9, 11], sample_key(1, step, i // 4, i % 4),
+                          DRAFT_TOKENS)
 
 
 def _barrier_worker(path, delays, timeout_s, order=None, in_flight=4):
@@ -33,8 +39,8 @@ def _barrier_worker(path, delays, timeout_s, order=None, in_flight=4):
         return None, None, None
     time.sleep(delays[world.rank])  # the rank's own rollout
     try:
-        drafts, stats = drafter.arrive_and_draft(7, NEXT_SAMPLES, _next_request, weight_version=7,
-                                                 order=order)
+        drafts, stats = drafter.arrive_and_draft(7, order or SAMPLES, _next_request,
+                                                 weight_version=7)
         out = (drafts, stats, None)
     except TimeoutError as err:
         out = (None, None, str(err))
@@ -64,14 +70,15 @@ def test_fast_ranks_draft_only_inside_the_bubble(tiny):
     # Partial drafts are kept: some draft is shorter than the budget (aborted mid-way).
     assert any(len(d.tokens) < DRAFT_TOKENS for d in d0 + d1)
     for d in d0 + d1:
-        assert d.key == _next_request(d.sample_index).key and d.weight_version == 7
+        assert d.step == NEXT_STEP and d.weight_version == 7
+        assert d.key == _next_request((d.step, d.sample_index)).key
 
 
 def test_drafts_are_prefixes_of_the_plain_generation(tiny):
     results = launch_local(_barrier_worker, 2, tiny, [0.0, 1.5], 120.0)
     drafts = [d for d in results[0][0] if d.tokens]
     assert len(drafts) >= 2, "the 1.5 s bubble drafted (almost) nothing: nothing to compare"
-    full = ReferenceEngine(tiny).generate([_next_request(d.sample_index) for d in drafts],
+    full = ReferenceEngine(tiny).generate([_next_request((d.step, d.sample_index)) for d in drafts],
                                           SamplingParams(1.0))
     assert len(full) == len(drafts)
     for d, f in zip(drafts, full):
@@ -87,7 +94,7 @@ def test_a_rank_that_never_arrives_times_out_with_a_clear_message(tiny):
 def test_the_cursor_hands_out_samples_in_the_given_order(tiny):
     """The loop drafts round-robin over the ranks that will roll the samples out; here the order
     is reversed: whatever the bubble drafted comes from the end."""
-    order = list(reversed(range(NEXT_SAMPLES)))
+    order = list(reversed(SAMPLES))
     (drafts, stats, _), _ = launch_local(_barrier_worker, 2, tiny, [0.0, 1.0], 120.0, order)
     assert drafts and stats.claimed_samples < NEXT_SAMPLES
     assert min(d.sample_index for d in drafts) >= NEXT_SAMPLES - stats.claimed_samples

@@ -14,7 +14,8 @@ from megatron_bubblespec.spec import drafts as drafts_module
 from megatron_bubblespec.spec.drafts import (Draft, choose_route, data_parallel_gloo_twin, exchange,
                                              exchange_route, pack, select_drafts, unpack)
 
-DRAFTS = [Draft(0, -5, 3, (1, 2, 3)), Draft(7, 2**62, 3, ()), Draft(2, 9, 2, tuple(range(40)))]
+DRAFTS = [Draft(1, 0, -5, 3, (1, 2, 3)), Draft(2, 7, 2**62, 3, ()),
+          Draft(1, 2, 9, 2, tuple(range(40)))]
 
 
 def test_pack_round_trip():
@@ -24,8 +25,9 @@ def test_pack_round_trip():
 
 @pytest.mark.parametrize("mangle", [
     lambda t: t[:-5],                                     # truncated
-    lambda t: torch.cat([t[:1], torch.tensor([-1]), t[2:]]),  # negative sample index
-    lambda t: torch.cat([t[:4], torch.tensor([10**6]), t[5:]]),  # absurd length
+    lambda t: torch.cat([t[:2], torch.tensor([-1]), t[3:]]),  # negative sample index
+    lambda t: torch.cat([t[:1], torch.tensor([-1]), t[2:]]),  # negative step
+    lambda t: torch.cat([t[:5], torch.tensor([10**6]), t[6:]]),  # absurd length
 ])
 def test_malformed_packs_warn_and_keep_only_what_parses(mangle):
     with pytest.warns(UserWarning):
@@ -43,20 +45,21 @@ def test_garbage_never_raises():
 
 
 def test_select_keeps_mine_and_drops_bad_ones():
-    expected = {0: -5, 2: 9, 5: 11}
-    drafts = [Draft(0, -5, 3, (1, 2, 3)),        # kept
-              Draft(7, 2**62, 3, (4,)),          # another rank's sample: silently ignored
-              Draft(5, 12, 3, (1,)),             # wrong key: dropped
-              Draft(2, 9, 2, (1, 500)),          # token outside the vocabulary: dropped
-              Draft(0, -5, 3, (9,))]             # second draft for sample 0: dropped
+    expected = {(1, 0): -5, (1, 2): 9, (1, 5): 11, (2, 0): 4}
+    drafts = [Draft(1, 0, -5, 3, (1, 2, 3)),     # kept
+              Draft(2, 0, 4, 3, (8,)),           # another step's sample 0: kept
+              Draft(1, 7, 2**62, 3, (4,)),       # a sample nobody drafts: dropped
+              Draft(1, 5, 12, 3, (1,)),          # wrong key: dropped
+              Draft(1, 2, 9, 2, (1, 500)),       # token outside the vocabulary: dropped
+              Draft(1, 0, -5, 3, (9,))]          # second draft for sample 0: dropped
     with pytest.warns(Warning) as caught:
         kept = select_drafts(drafts, expected, vocab_size=100, max_tokens=10)
-    assert set(kept) == {0} and kept[0].tokens == (1, 2, 3)
-    assert len(caught) == 3
+    assert set(kept) == {(1, 0), (2, 0)} and kept[1, 0].tokens == (1, 2, 3)
+    assert len(caught) == 4
     with pytest.warns(RuntimeWarning, match="truncated"):
-        long = select_drafts([Draft(2, 9, 2, (1, 2, 3) * 10)], expected, vocab_size=100,
+        long = select_drafts([Draft(1, 2, 9, 2, (1, 2, 3) * 10)], expected, vocab_size=100,
                              max_tokens=10)
-    assert long[2].tokens == ((1, 2, 3) * 10)[:10]
+    assert long[1, 2].tokens == ((1, 2, 3) * 10)[:10]
 
 
 def _exchange_worker():
@@ -73,7 +76,8 @@ def test_exchange_over_three_gloo_ranks():
 
 
 def _mine(rank: int) -> list[Draft]:
-    return [Draft(10 * rank + i, rank, 1, tuple(range(rank + i))) for i in range(rank + 1)]
+    return [Draft(3 + i % 2, 10 * rank + i, rank, 1, tuple(range(rank + i)))
+            for i in range(rank + 1)]
 
 
 def _everyone(world: int) -> list[Draft]:

@@ -167,12 +167,12 @@ def run_step(path: str, drafts_path: str, dtype_name: str, device: str = "cuda")
                                      group_advantages(torch.tensor(
                                          [float(sum(x.token_ids) % 3) for x in plain]), GROUP))
     start = time.perf_counter()
-    trainer.train_step(batch)
+    step_logprobs = trainer.train_step(batch).logprobs
     timings["train_s"] = time.perf_counter() - start
     before = logprob_gap([x.logprobs for x in plain],
-                         gather_responses(trainer.last_logprobs, batch.response_mask))
+                         gather_responses(step_logprobs, batch.response_mask))
     start = time.perf_counter()
-    stats = trainer.resharder().push(engine)
+    stats = trainer.resharder().sync(engine)
     timings["reshard_s"] = time.perf_counter() - start
     probe_requests = _requests(2)
     probe = engine.generate(probe_requests, PARAMS)

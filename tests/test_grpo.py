@@ -231,7 +231,7 @@ def _reference_worker(checkpoint, batch, probe, with_engine):
     init_distributed(1, 1, seed=7)
     trainer = _trainer(checkpoint)
     before = trainer.logprobs(batch.tokens, batch.response_mask)
-    metrics = trainer.train_step(batch)
+    metrics = trainer.train_step(batch).metrics
     weights = dict(trainer.resharder().named_tensors())
     probe_tokens, probe_mask = pack_sequences(*probe)
     mine = gather_responses(trainer.logprobs(probe_tokens, probe_mask), probe_mask)
@@ -276,7 +276,7 @@ def _parallel_worker(checkpoint, batch, tp, pp, micro_batch_size, distributed_op
     trainer = _trainer(checkpoint, replace(TRAIN, micro_batch_size=micro_batch_size,
                                            use_distributed_optimizer=distributed_optimizer))
     metrics = trainer.train_step(batch.dp_shard(ps.get_data_parallel_rank(),
-                                                ps.get_data_parallel_world_size()))
+                                                ps.get_data_parallel_world_size())).metrics
     weights = dict(trainer.resharder().named_tensors())
     destroy_distributed()
     return metrics, weights
@@ -355,7 +355,7 @@ def _bf16_worker(checkpoint, batch):
         load_hf_weights(model, spec, tensors)
     trainer = MegatronTrainer(model, spec, TRAIN)
     before = trainer.logprobs(batch.tokens, batch.response_mask)
-    metrics = trainer.train_step(batch)
+    metrics = trainer.train_step(batch).metrics
     weights = {k: t.float() for k, t in trainer.resharder().named_tensors()}
     dtypes = {t.dtype for t in model.parameters()}
     destroy_distributed()
@@ -391,8 +391,7 @@ def _step_logprobs_worker(checkpoint, batch, pp):
     init_distributed(1, pp, seed=7)
     trainer = _trainer(checkpoint, replace(TRAIN, micro_batch_size=2))
     before = trainer.logprobs(batch.tokens, batch.response_mask)
-    trainer.train_step(batch)
-    last = trainer.last_logprobs
+    last = trainer.train_step(batch).logprobs
     destroy_distributed()
     return before, last
 
@@ -415,7 +414,7 @@ def _kl_worker(checkpoint, batch, kl_coef, steps):
     initial = trainer.logprobs(batch.tokens, batch.response_mask)
     metrics, after = [], []
     for _ in range(steps):
-        metrics.append(trainer.train_step(batch))
+        metrics.append(trainer.train_step(batch).metrics)
         after.append(trainer.logprobs(batch.tokens, batch.response_mask))
     weights = {k: t.clone() for k, t in trainer.resharder().named_tensors()}
     reference = None if trainer.reference is None else \

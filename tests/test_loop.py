@@ -74,16 +74,18 @@ def _corrupted_drafts_worker(cfg):
     run_step(replica, 0)
     g = torch.Generator().manual_seed(replica.dp_rank)
     vocab = replica.spec.vocab_size
-    pending = replica.draft_queue[1]
-    for index, draft in list(pending.items()):
+    queue = replica.state.drafts.state_dict()   # as a checkpoint stores it
+    corrupted = []
+    for index, key, version, tokens in queue["1"]:
         kind = index % 3
         if kind == 0:    # wrong tokens
-            tokens = tuple(torch.randint(0, vocab, (len(draft.tokens),), generator=g).tolist())
+            tokens = torch.randint(0, vocab, (len(tokens),), generator=g).tolist()
         elif kind == 1:  # garbage ids outside the vocabulary
-            tokens = (vocab + 5, -3, 7)
+            tokens = [vocab + 5, -3, 7]
         else:            # a draft claiming another weight version
-            tokens = draft.tokens
-        pending[index] = Draft(index, draft.key, 999 if kind == 2 else draft.weight_version, tokens)
+            version = 999
+        corrupted.append([index, key, version, tokens])
+    replica.state.drafts.load_state_dict({**queue, "1": corrupted})
     out = run_step(replica, 1)
     _shutdown(replica)
     return out.rollouts
@@ -115,8 +117,8 @@ def _horizon_worker(cfg):
         out = run_step(replica, step)
         rollouts.append(out.rollouts)
         metrics.append(out.rank_metrics)
-        queues.append({s: {g: d.tokens for g, d in q.items()}
-                       for s, q in replica.draft_queue.items()})
+        queues.append({int(s): {g: tuple(tokens) for g, _, _, tokens in rows}
+                       for s, rows in replica.state.drafts.state_dict().items()})
     _shutdown(replica)
     return rollouts, queues, metrics
 

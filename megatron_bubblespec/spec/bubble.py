@@ -1,7 +1,8 @@
-"""The DP barrier with bubble drafting: finished rank -> arrive at a store counter -> draft next-step
-samples (claimed in chunks from a shared cursor) one engine step at a time -> abort when all arrived.
+"""The DP barrier with bubble drafting: finished rank -> arrive at a store counter -> draft the coming
+steps' samples (claimed in chunks from a shared cursor) one engine step at a time -> abort when all
+arrived.
 
-A drafting rank keeps up to ``in_flight`` next-step samples in its engine at once (its full decode
+A drafting rank keeps up to ``in_flight`` samples in its engine at once (its full decode
 batch: an engine step costs nearly the same for 1 or 32 rows, so drafted tokens per bubble-second
 grow with the batch), refilling from the cursor as drafts finish; it stops within one engine step
 of the barrier's close whatever the batch.
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
 from megatron_bubblespec.spec.drafts import Draft
+from megatron_bubblespec.spec.queue import Sample
 
 if TYPE_CHECKING:   # an annotation only: spec sits below rollout
     from megatron_bubblespec.rollout.base import RolloutEngine
@@ -53,16 +55,15 @@ class BubbleDrafter:
     def _key(self, what: str, step: int) -> str:
         return f"{self.namespace}/{what}/{step}"
 
-    def arrive_and_draft(self, step: int, num_next_samples: int,
-                         next_request: Callable[[int], RolloutRequest] | None,
-                         weight_version: int,
-                         order: Sequence[int] | None = None) -> tuple[list[Draft], BubbleStats]:
-        """Arrive at step ``step``'s barrier; draft step+1's samples (by global index) until it closes.
+    def arrive_and_draft(self, step: int, samples: Sequence[Sample],
+                         next_request: Callable[[Sample], RolloutRequest] | None,
+                         weight_version: int) -> tuple[list[Draft], BubbleStats]:
+        """Arrive at step ``step``'s barrier; draft ``samples`` until it closes.
 
-        ``next_request(i)`` builds the drafting request of global sample ``i`` of step+1 (its key
-        and prompt, ``max_new_tokens`` = the draft budget); None disables drafting (plain barrier).
-        ``order`` is the sequence in which the shared cursor hands out global sample indices
-        (default 0, 1, 2, ...).
+        ``samples`` lists the (step, global sample index) pairs to draft, in the order the shared
+        cursor hands them out (``spec.queue.DraftQueue.left_to_draft``); ``next_request(sample)``
+        builds a sample's drafting request (its key and prompt, ``max_new_tokens`` = the draft
+        budget). An empty list or no ``next_request`` is a plain barrier.
         """
         stats, drafts = BubbleStats(), []
         arrive, cursor, closed = (self._key(k, step) for k in ("arrive", "cursor", "closed"))
@@ -71,8 +72,8 @@ class BubbleDrafter:
             self.store.set(closed, repr(time.time()))
             stats.last_to_arrive = True
             return drafts, stats
-        pending: dict[str, tuple[int, int]] = {}  # request id -> (sample index, key)
-        exhausted = next_request is None or num_next_samples == 0
+        pending: dict[str, tuple[Sample, int]] = {}  # request id -> (sample, key)
+        exhausted = next_request is None or not samples
         while self.store.add(arrive, 0) < self.dp_size:
             if time.perf_counter() - arrived_at > self.timeout_s:
                 raise TimeoutError(
@@ -82,14 +83,13 @@ class BubbleDrafter:
             while not exhausted and len(pending) < self.in_flight:
                 end = self.store.add(cursor, self.chunk)
                 start = end - self.chunk
-                if start >= num_next_samples:
+                if start >= len(samples):
                     exhausted = True
                     break
-                indices = [order[c] if order is not None else c
-                           for c in range(start, min(end, num_next_samples))]
-                claimed = [next_request(i) for i in indices]
+                chunk = samples[start:end]
+                claimed = [next_request(sample) for sample in chunk]
                 stats.claimed_samples += len(claimed)
-                pending.update({r.request_id: (i, r.key) for r, i in zip(claimed, indices)})
+                pending.update({r.request_id: (sample, r.key) for r, sample in zip(claimed, chunk)})
                 self.engine.add(claimed, self.params)
             if not self.engine.has_unfinished():
                 time.sleep(self.poll_s)  # nothing left to draft: plain waiting
@@ -110,11 +110,12 @@ class BubbleDrafter:
         return [d for d in drafts if d.tokens], stats
 
     @staticmethod
-    def _collect(results: list[RolloutResult], pending: dict[str, tuple[int, int]],
+    def _collect(results: list[RolloutResult], pending: dict[str, tuple[Sample, int]],
                  weight_version: int) -> list[Draft]:
         out = []
         for r in results:
             claimed = pending.pop(r.request_id, None)
             if claimed is not None:
-                out.append(Draft(claimed[0], claimed[1], weight_version, tuple(r.token_ids)))
+                (step, index), key = claimed
+                out.append(Draft(step, index, key, weight_version, tuple(r.token_ids)))
         return out

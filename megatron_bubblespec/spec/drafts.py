@@ -1,8 +1,8 @@
-"""Drafts: next-step samples pre-generated in a bubble -> packed int64 tensors -> all-gathered over DP.
+"""Drafts: coming steps' samples pre-generated in a bubble -> packed int64 tensors -> all-gathered over DP.
 
-A draft names the step-(t+1) sample it was made for (its global sample index and key), the weight
-version that made it, and its tokens. Packing is a flat int64 tensor
-``[count, (index, key, version, length, tokens...) * count]``; unpacking validates every field and
+A draft names the sample it was made for (its step, global sample index within that step and key),
+the weight version that made it, and its tokens. Packing is a flat int64 tensor
+``[count, (step, index, key, version, length, tokens...) * count]``; unpacking validates every field and
 drops (with a warning) whatever does not parse, so a corrupted draft can cost acceptance but never
 crash a step or change a token (drafts are only ever proposals to the exact verifier).
 
@@ -30,13 +30,14 @@ import torch.distributed as dist
 
 from megatron_bubblespec.spec.validate import verifiable_draft
 
-HEADER = 4
+HEADER = 5
 
 
 @dataclass(frozen=True)
 class Draft:
-    sample_index: int       # global index of the step-(t+1) sample
-    key: int                # that sample's key (sampling.sample_key with step t+1)
+    step: int               # the step whose sample it drafts (t + 1 .. t + H for step t's bubble)
+    sample_index: int       # the sample's global index within that step
+    key: int                # that sample's key (sampling.sample_key with that step)
     weight_version: int     # version of the policy that drafted it
     tokens: tuple[int, ...]
 
@@ -44,7 +45,7 @@ class Draft:
 def pack(drafts: list[Draft]) -> torch.Tensor:
     flat = [len(drafts)]
     for d in drafts:
-        flat += [d.sample_index, d.key, d.weight_version, len(d.tokens), *d.tokens]
+        flat += [d.step, d.sample_index, d.key, d.weight_version, len(d.tokens), *d.tokens]
     return torch.tensor(flat, dtype=torch.int64)
 
 
@@ -61,12 +62,13 @@ def unpack(packed: torch.Tensor, source: str = "packed drafts") -> list[Draft]:
         if pos + HEADER > len(values):
             warnings.warn(f"{source}: truncated at draft {n} of {count}; the rest is dropped")
             break
-        index, key, version, length = values[pos:pos + HEADER]
-        if length < 0 or pos + HEADER + length > len(values) or index < 0:
-            warnings.warn(f"{source}: draft {n} has a bad header (index {index}, length {length}); "
-                          "it and the rest are dropped")
+        step, index, key, version, length = values[pos:pos + HEADER]
+        if length < 0 or pos + HEADER + length > len(values) or index < 0 or step < 0:
+            warnings.warn(f"{source}: draft {n} has a bad header (step {step}, index {index}, "
+                          f"length {length}); it and the rest are dropped")
             break
-        out.append(Draft(index, key, version, tuple(values[pos + HEADER:pos + HEADER + length])))
+        out.append(Draft(step, index, key, version,
+                         tuple(values[pos + HEADER:pos + HEADER + length])))
         pos += HEADER + length
     return out
 
@@ -137,28 +139,30 @@ def exchange(drafts: list[Draft], group=None) -> list[Draft]:
     return out
 
 
-def select_drafts(drafts: list[Draft], expected_keys: dict[int, int], vocab_size: int,
-                  max_tokens: int) -> dict[int, Draft]:
-    """Keep the drafts of my samples (``expected_keys``: sample index -> key).
+def select_drafts(drafts: list[Draft], expected_keys: dict[tuple[int, int], int],
+                  vocab_size: int, max_tokens: int) -> dict[tuple[int, int], Draft]:
+    """Keep the drafts of the samples ``expected_keys`` names ((step, sample index) -> key).
 
     Drafts for unknown samples, with a key that is not the sample's, or with token ids outside
     the vocabulary are dropped with a warning; drafts longer than ``max_tokens`` are truncated
     (``spec.validate.verifiable_draft``).
     """
-    kept: dict[int, Draft] = {}
+    kept: dict[tuple[int, int], Draft] = {}
     for d in drafts:
-        if d.sample_index not in expected_keys:
-            continue  # another rank's sample: the normal case after an all-gather
-        if d.key != expected_keys[d.sample_index]:
-            warnings.warn(f"draft for sample {d.sample_index} carries key {d.key}, expected "
-                          f"{expected_keys[d.sample_index]}; dropped")
+        sample = (d.step, d.sample_index)
+        name = f"draft for sample {d.sample_index} of step {d.step}"
+        if sample not in expected_keys:
+            warnings.warn(f"{name}: no such sample is being drafted; dropped")
             continue
-        if d.sample_index in kept:
-            warnings.warn(f"two drafts for sample {d.sample_index}; keeping the first")
+        if d.key != expected_keys[sample]:
+            warnings.warn(f"{name} carries key {d.key}, expected {expected_keys[sample]}; dropped")
             continue
-        tokens = verifiable_draft(d.tokens, vocab_size, max_tokens,
-                                  f"draft for sample {d.sample_index}")
+        if sample in kept:
+            warnings.warn(f"two drafts for sample {d.sample_index} of step {d.step}; keeping the "
+                          "first")
+            continue
+        tokens = verifiable_draft(d.tokens, vocab_size, max_tokens, name)
         if tokens is None:
             continue
-        kept[d.sample_index] = Draft(d.sample_index, d.key, d.weight_version, tuple(tokens))
+        kept[sample] = Draft(d.step, d.sample_index, d.key, d.weight_version, tuple(tokens))
     return kept

@@ -125,11 +125,10 @@ def export_final(replica, directory: Path,
     returns the exported tensors as an ``ExportedWeights`` mapping, the other ranks None)."""
     import torch.distributed as dist
 
-    buckets = replica.resharder.buckets()
     if dist.is_initialized() and dist.get_rank() != 0:
-        for _ in buckets:       # the gathers and broadcasts need every rank
-            pass
+        replica.resharder.sync(None)   # the gathers and broadcasts need every rank
         return None
+    buckets = replica.resharder.buckets()
     directory = Path(directory)
     staging = directory.with_name(directory.name + ".partial")
     shutil.rmtree(staging, ignore_errors=True)

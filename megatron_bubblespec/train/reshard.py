@@ -154,7 +154,12 @@ class Resharder:
         for bucket in self.buckets():
             yield from bucket
 
-    def push(self, engine) -> ReshardStats:
-        """Stream every bucket into ``engine.update_weights`` (in-process transport)."""
-        engine.update_weights(self.named_tensors())
+    def sync(self, engine=None) -> ReshardStats:
+        """Stream every bucket into ``engine.update_weights`` (in-process transport); a rank
+        without an engine still takes part in the gathers and broadcasts (collective)."""
+        if engine is not None:
+            engine.update_weights(self.named_tensors())
+        else:
+            for _ in self.buckets():
+                pass
         return self.last

@@ -37,6 +37,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -252,6 +253,13 @@ def frozen_copy(model):
 
 # ------------------------------------------------------------------------------------ trainer
 
+class TrainStep(NamedTuple):
+    """What one optimizer step returns."""
+
+    metrics: dict[str, float]     # the same on every rank
+    logprobs: torch.Tensor        # [B, S] response-token logprobs under the weights before it
+
+
 class MegatronTrainer:
     """GRPO learner on one TP x PP replica (and its data-parallel peers)."""
 
@@ -307,7 +315,6 @@ class MegatronTrainer:
         mconfig.grad_scale_func = self.optimizer.scale_loss
         self.device = next(model.parameters()).device
         self.steps = 0
-        self.last_logprobs: torch.Tensor | None = None
 
     # ---------------------------------------------------------------------------- logprobs
 
@@ -342,11 +349,10 @@ class MegatronTrainer:
 
     # ---------------------------------------------------------------------------- training
 
-    def train_step(self, batch: GRPOBatch) -> dict[str, float]:
-        """One optimizer step on this DP rank's ``batch``; the same metrics on every rank.
-
-        ``last_logprobs`` then holds the batch's response-token logprobs [B, S] under the weights
-        *before* the step (computed by the step's own forward, on every rank of the replica)."""
+    def train_step(self, batch: GRPOBatch) -> TrainStep:
+        """One optimizer step on this DP rank's ``batch`` -> the metrics (the same on every rank)
+        and the batch's response-token logprobs [B, S] under the weights *before* the step
+        (computed by the step's own forward, on every rank of the replica)."""
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -415,7 +421,7 @@ class MegatronTrainer:
         step = torch.cat(step_logprobs) if step_logprobs else None
         if cp and step is not None:   # label-aligned CP shares -> whole token-aligned rows
             step = torch.nn.functional.pad(context_parallel_gather(step), (1, 0))[:, :seq]
-        self.last_logprobs = _broadcast_from_last_stage(step, (size, seq), self.device).cpu() \
+        logprobs = _broadcast_from_last_stage(step, (size, seq), self.device).cpu() \
             * batch.response_mask[:, :seq].cpu()
         metrics.update({
             "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
@@ -423,7 +429,7 @@ class MegatronTrainer:
             "train/update_skipped": float(not updated),
             "train/step_s": time.perf_counter() - start,
         })
-        return metrics
+        return TrainStep(metrics, logprobs)
 
     def _global_metrics(self, names: list[str],
                         sums: list[torch.Tensor] | None) -> dict[str, float]:
@@ -453,5 +459,5 @@ class MegatronTrainer:
         return Resharder(self.module, self.spec, **kwargs)
 
 
-__all__ = ["GRPOBatch", "MegatronTrainer", "TrainerConfig", "frozen_copy", "gather_responses",
+__all__ = ["GRPOBatch", "MegatronTrainer", "TrainStep", "TrainerConfig", "frozen_copy", "gather_responses",
            "pack_sequences", "scatter_responses", "token_logprobs"]

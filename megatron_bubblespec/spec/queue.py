@@ -1,0 +1,94 @@
+"""Pending drafts: the exchanged bubble drafts in -> what is left to draft, and a step's drafts out.
+
+``DraftQueue`` holds ``step -> (global sample index -> Draft)`` for the coming steps, the same on
+every rank (every rank absorbs every rank's drafts after the exchange), so all ranks compute the
+same list of samples still to draft and a checkpoint needs only one rank's queue.
+
+Step t's bubble drafts the samples of steps t+k .. t+k+H-1 (k = ``spec.draft_lookahead``,
+H = ``spec.draft_horizon``), next step first. Within a step the order is round-robin over the DP
+ranks that will roll the samples out (rank 0's first sample, rank 1's first, ..., rank 0's
+second, ...), so a short bubble shortens every rank's next rollout a little rather than one rank's a
+lot: the step waits for the slowest rank. A draft that ran to EOS or to the draft budget is
+complete and not drafted again; a partial one is extended by a later bubble's newer policy.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+from megatron_bubblespec.spec.drafts import Draft, select_drafts
+
+Sample = tuple[int, int]     # (step, global sample index within the step)
+
+
+class DraftQueue:
+    def __init__(self, *, budget: int, eos_token_ids: Sequence[int], vocab_size: int,
+                 lookahead: int = 1, horizon: int = 1, num_steps: int | None = None):
+        self.budget, self.eos_token_ids = budget, tuple(eos_token_ids)
+        self.vocab_size, self.lookahead, self.horizon = vocab_size, lookahead, horizon
+        self.num_steps = num_steps
+        self._by_step: dict[int, dict[int, Draft]] = {}
+
+    @classmethod
+    def from_config(cls, cfg, eos_token_ids: Sequence[int], vocab_size: int) -> "DraftQueue":
+        s = cfg.spec
+        return cls(budget=min(s.max_draft_tokens, cfg.rollout.max_new_tokens),
+                   eos_token_ids=eos_token_ids, vocab_size=vocab_size,
+                   lookahead=s.draft_lookahead, horizon=s.draft_horizon, num_steps=cfg.run.steps)
+
+    # ------------------------------------------------------------------ what to draft
+    def target_steps(self, step: int) -> list[int]:
+        """The steps whose samples step ``step``'s bubble drafts (those the run still has)."""
+        first = step + self.lookahead
+        return [s for s in range(first, first + self.horizon)
+                if self.num_steps is None or s < self.num_steps]
+
+    def get(self, step: int, sample_index: int) -> Draft | None:
+        return self._by_step.get(step, {}).get(sample_index)
+
+    def is_complete(self, draft: Draft | None) -> bool:
+        """A draft that ran to EOS or to the draft budget: a later bubble has nothing to add."""
+        return draft is not None and bool(draft.tokens) and (
+            len(draft.tokens) >= self.budget or draft.tokens[-1] in self.eos_token_ids)
+
+    def left_to_draft(self, batches: Iterable) -> list[Sample]:
+        """The samples of ``batches`` (``data.lookahead.StepBatch``, in step order) still to
+        draft, in drafting order."""
+        return [(batch.step, g) for batch in batches for g in drafting_order(batch)
+                if not self.is_complete(self.get(batch.step, g))]
+
+    # ------------------------------------------------------------------ in and out
+    def absorb(self, drafts: Sequence[Draft], expected_keys: dict[Sample, int]) -> int:
+        """Every rank's exchanged drafts -> the queue (a newer draft of a sample replaces the
+        older one it extends); malformed ones are dropped with a warning. Returns how many were
+        kept."""
+        kept = select_drafts(list(drafts), expected_keys, self.vocab_size, self.budget)
+        for (step, g), draft in kept.items():
+            self._by_step.setdefault(step, {})[g] = draft
+        return len(kept)
+
+    def pop(self, step: int) -> dict[int, Draft]:
+        """Step ``step``'s drafts (global sample index -> draft), removed from the queue."""
+        return self._by_step.pop(step, {})
+
+    def __len__(self) -> int:
+        return sum(map(len, self._by_step.values()))
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, list[list]]:
+        return {str(step): [[d.sample_index, d.key, d.weight_version, list(d.tokens)]
+                            for _, d in sorted(drafts.items())]
+                for step, drafts in sorted(self._by_step.items())}
+
+    def load_state_dict(self, state: dict[str, list[list]]) -> None:
+        self._by_step = {
+            int(step): {int(g): Draft(int(step), int(g), int(key), int(version),
+                                      tuple(int(t) for t in tokens))
+                        for g, key, version, tokens in rows}
+            for step, rows in state.items()}
+
+
+def drafting_order(batch) -> list[int]:
+    """A step's global sample indices, round-robin over the DP ranks that will roll them out."""
+    per_rank = [batch.rank_sample_range(r) for r in range(batch.dp_size)]
+    return [g for column in zip(*per_rank) for g in column]

@@ -1,0 +1,65 @@
+"""The draft queue: what each bubble drafts (steps, order, complete drafts), absorbing exchanged
+drafts, and its checkpoint form."""
+
+import pytest
+
+from megatron_bubblespec.data.lookahead import LookaheadSampler
+from megatron_bubblespec.spec.drafts import Draft
+from megatron_bubblespec.spec.queue import DraftQueue, drafting_order
+
+
+def _queue(lookahead=1, horizon=1, steps=10, budget=4):
+    return DraftQueue(budget=budget, eos_token_ids=(2,), vocab_size=100, lookahead=lookahead,
+                      horizon=horizon, num_steps=steps)
+
+
+def test_drafting_order_alternates_over_the_ranks():
+    batch = LookaheadSampler(0, 64, 4, dp_size=2, samples_per_prompt=2).batch(3)
+    order = drafting_order(batch)
+    assert sorted(order) == list(range(batch.num_samples))
+    owners = [0 if order[i] in batch.rank_sample_range(0) else 1 for i in range(len(order))]
+    assert owners == [0, 1] * (batch.num_samples // 2)
+
+
+def test_draft_targets_stop_at_the_runs_last_step():
+    assert _queue(1, 1).target_steps(3) == [4]
+    assert _queue(1, 3).target_steps(3) == [4, 5, 6]
+    assert _queue(2, 2).target_steps(3) == [5, 6]
+    assert _queue(1, 3).target_steps(7) == [8, 9]
+    assert _queue(1, 3).target_steps(9) == []
+
+
+def test_a_draft_is_complete_at_eos_or_at_the_budget():
+    def draft(*tokens):
+        return Draft(1, 0, 1, 0, tokens)
+
+    queue = _queue()
+    assert not queue.is_complete(None)
+    assert not queue.is_complete(draft())
+    assert not queue.is_complete(draft(5, 6, 7))      # aborted mid-way: a later bubble extends it
+    assert queue.is_complete(draft(5, 6, 2))          # ended with EOS
+    assert queue.is_complete(draft(5, 6, 7, 8))       # ran to the draft budget
+
+
+def test_the_queue_absorbs_exchanged_drafts_and_lists_what_is_left():
+    """Complete drafts leave the to-draft list, partial ones stay (to be extended), a newer draft
+    replaces the one it extends, a wrong key is dropped, and the queue survives a checkpoint."""
+    sampler = LookaheadSampler(0, 64, 2, dp_size=2, samples_per_prompt=2)
+    batches = [sampler.batch(4), sampler.batch(5)]
+    queue = _queue(1, 2)
+    keys = {(b.step, g): 1000 * b.step + g for b in batches for g in range(b.num_samples)}
+    order = [(b.step, g) for b in batches for g in drafting_order(b)]
+    assert queue.left_to_draft(batches) == order
+    with pytest.warns(UserWarning, match="carries key"):
+        kept = queue.absorb([Draft(4, 0, keys[4, 0], 3, (5, 2)),        # complete: EOS
+                             Draft(4, 1, keys[4, 1], 3, (5, 6)),        # partial
+                             Draft(5, 2, keys[5, 2], 3, (7, 8, 9, 9)),  # complete: budget
+                             Draft(5, 3, 12345, 3, (7,))], keys)        # wrong key: dropped
+    assert kept == 3 and len(queue) == 3
+    assert queue.left_to_draft(batches) == [s for s in order if s not in {(4, 0), (5, 2)}]
+    queue.absorb([Draft(4, 1, keys[4, 1], 4, (5, 6, 7))], keys)          # extended by a newer policy
+    assert queue.get(4, 1).tokens == (5, 6, 7) and queue.get(4, 1).weight_version == 4
+    restored = _queue(1, 2)
+    restored.load_state_dict(queue.state_dict())
+    assert restored.state_dict() == queue.state_dict() and restored.get(4, 1) == queue.get(4, 1)
+    assert set(queue.pop(4)) == {0, 1} and queue.pop(4) == {} and len(queue) == 1
