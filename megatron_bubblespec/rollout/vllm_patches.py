@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import functools
 
-from megatron_bubblespec.distributed.vllm_groups import VLLM_VERSION as PINNED_VLLM_VERSION
+from megatron_bubblespec.distributed.vllm_groups import VLLM_VERSION
+
 _INSTALLED = False
 
 
@@ -47,9 +48,9 @@ def install() -> None:
         return
     import vllm
 
-    if vllm.__version__ != PINNED_VLLM_VERSION:
+    if vllm.__version__ != VLLM_VERSION:
         raise RuntimeError(
-            f"speculative continuation patches vLLM {PINNED_VLLM_VERSION} in process, but vLLM "
+            f"speculative continuation patches vLLM {VLLM_VERSION} in process, but vLLM "
             f"{vllm.__version__} is installed: re-read the patch points in "
             "megatron_bubblespec/rollout/vllm_patches.py for this version, or run with "
             "spec.speculative_continuation=false")

@@ -18,29 +18,30 @@ from __future__ import annotations
 
 import itertools
 
-import common
+import report
+import runner
 from megatron_bubblespec.metrics.formatting import count, number, percent
 
 STUDY = "02_draft_budget"
 TITLE = "Draft budget: tokens per draft and draft chunk"
-COLUMNS = (common.Column("drafted tok", "drafted_tokens", count),
-           common.Column("accepted tok", "accepted_tokens", count),
-           *common.DEFAULT_COLUMNS)
+COLUMNS = (report.Column("drafted tok", "drafted_tokens", count),
+           report.Column("accepted tok", "accepted_tokens", count),
+           *report.DEFAULT_COLUMNS)
 
 
 def main(argv=None) -> None:
-    p = common.parser(__doc__)
-    p.add_argument("--max-draft-tokens", type=common.csv(int), default=[8, 24, 48],
+    p = runner.parser(__doc__)
+    p.add_argument("--max-draft-tokens", type=runner.csv(int), default=[8, 24, 48],
                    help="values of spec.max_draft_tokens (default %(default)s)")
-    p.add_argument("--draft-chunk", type=common.csv(int), default=[1, 2, 4],
+    p.add_argument("--draft-chunk", type=runner.csv(int), default=[1, 2, 4],
                    help="values of spec.draft_chunk (default %(default)s)")
-    p.add_argument("--draft-horizon", type=common.csv(int), default=[1, 2, 3],
+    p.add_argument("--draft-horizon", type=runner.csv(int), default=[1, 2, 3],
                    help="values of spec.draft_horizon (default %(default)s)")
     p.add_argument("--full-grid", action="store_true",
                    help="every combination of the three knobs instead of one knob at a time")
     args = p.parse_args(argv)
-    common.learning_defaults(args)
-    spec = common.load(args.config, common.base_overrides(args)).spec
+    runner.learning_defaults(args)
+    spec = runner.load(args.config, runner.base_overrides(args)).spec
     base = (spec.max_draft_tokens, spec.draft_chunk, spec.draft_horizon)
     if args.full_grid:
         grid = list(itertools.product(args.max_draft_tokens, args.draft_chunk, args.draft_horizon))
@@ -49,21 +50,21 @@ def main(argv=None) -> None:
         grid += [(base[0], c, base[2]) for c in args.draft_chunk]
         grid += [(base[0], base[1], h) for h in args.draft_horizon]
     grid = list(dict.fromkeys(grid))
-    variants = [common.Variant(f"{m} tok, chunk {c}, horizon {h}",
+    variants = [runner.Variant(f"{m} tok, chunk {c}, horizon {h}",
                                [f"spec.max_draft_tokens={m}", f"spec.draft_chunk={c}",
                                 f"spec.draft_horizon={h}"])
                 for m, c, h in grid]
-    result = common.run_study(STUDY, args, variants)
-    common.finish(result, TITLE, COLUMNS, panels=[
-        common.bars("accept_rate", "accept rate (accepted / drafted tokens)", percent),
-        common.bars("accepted_tokens", "accepted tokens (all steps)", count),
-        common.bars("decode_steps_ratio", "decode steps on / off (steps >= 1)"),
-        common.bars("throughput_ratio_with_verify", "throughput on vs off, incl. verify"),
-        common.bars("bubble_utilization", "share of the bubble spent drafting", percent),
-        common.bars("accepted_prefix_mean", "accepted prefix per drafted sample (tokens)", number),
+    result = runner.run_study(STUDY, args, variants)
+    report.finish(result, TITLE, COLUMNS, panels=[
+        report.bars("accept_rate", "accept rate (accepted / drafted tokens)", percent),
+        report.bars("accepted_tokens", "accepted tokens (all steps)", count),
+        report.bars("decode_steps_ratio", "decode steps on / off (steps >= 1)"),
+        report.bars("throughput_ratio_with_verify", "throughput on vs off, incl. verify"),
+        report.bars("bubble_utilization", "share of the bubble spent drafting", percent),
+        report.bars("accepted_prefix_mean", "accepted prefix per drafted sample (tokens)", number),
     ], extra=[
         "## Drafted tokens per step", "",
-        common.per_step_table(result["runs"], "spec/drafted_tokens", count, off=False),
+        report.per_step_table(result["runs"], "spec/drafted_tokens", count, off=False),
     ])
 
 

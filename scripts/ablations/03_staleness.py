@@ -13,46 +13,47 @@ rollout.prompts_per_step; 0 keeps the config's). All variants share one off run.
 
 from __future__ import annotations
 
-import common
+import report
+import runner
 from megatron_bubblespec.metrics.formatting import count, percent
 
 STUDY = "03_staleness"
 TITLE = "Draft staleness: 1 step vs k steps vs previous epoch"
-COLUMNS = (common.Column("drafted tok", "drafted_tokens", count),
-           *common.DEFAULT_COLUMNS)
+COLUMNS = (report.Column("drafted tok", "drafted_tokens", count),
+           *report.DEFAULT_COLUMNS)
 
 
 def main(argv=None) -> None:
-    p = common.parser(__doc__)
-    p.add_argument("--lookahead", type=common.csv(int), default=[1, 2, 3],
+    p = runner.parser(__doc__)
+    p.add_argument("--lookahead", type=runner.csv(int), default=[1, 2, 3],
                    help="values of spec.draft_lookahead (default %(default)s)")
     p.add_argument("--no-previous-epoch", dest="previous_epoch", action="store_false",
                    help="leave out the spec.draft_source=previous_epoch variant")
     p.add_argument("--epoch-steps", type=int, default=2,
                    help="steps per epoch of every run (default %(default)s; 0 = the config's)")
     args = p.parse_args(argv)
-    common.learning_defaults(args, min_steps=8)
+    runner.learning_defaults(args, min_steps=8)
     if args.epoch_steps:
-        prompts = common.load(args.config, common.base_overrides(args)).rollout.prompts_per_step
+        prompts = runner.load(args.config, runner.base_overrides(args)).rollout.prompts_per_step
         args.overrides = [f"data.size={args.epoch_steps * prompts}", *args.overrides]
-    variants = [common.Variant(f"{k} step{'s' * (k > 1)} old",
+    variants = [runner.Variant(f"{k} step{'s' * (k > 1)} old",
                                ["spec.draft_source=bubble", f"spec.draft_lookahead={k}"])
                 for k in args.lookahead]
     if args.previous_epoch:
-        variants.append(common.Variant("previous epoch", ["spec.draft_source=previous_epoch"]))
-    result = common.run_study(STUDY, args, variants)
-    common.finish(result, TITLE, COLUMNS, panels=[
-        common.bars("accept_rate", "accept rate (accepted / drafted tokens)", percent),
-        common.bars("accepted_prefix_mean", "accepted prefix per drafted sample (tokens)"),
-        common.bars("decode_steps_ratio", "decode steps on / off (steps >= 1)"),
-        common.bars("throughput_ratio_with_verify", "throughput on vs off, incl. verify"),
-        common.curves("spec/accept_rate", "accept rate per step", off=False),
-        common.curves("spec/drafted_tokens", "drafted tokens per step", off=False),
+        variants.append(runner.Variant("previous epoch", ["spec.draft_source=previous_epoch"]))
+    result = runner.run_study(STUDY, args, variants)
+    report.finish(result, TITLE, COLUMNS, panels=[
+        report.bars("accept_rate", "accept rate (accepted / drafted tokens)", percent),
+        report.bars("accepted_prefix_mean", "accepted prefix per drafted sample (tokens)"),
+        report.bars("decode_steps_ratio", "decode steps on / off (steps >= 1)"),
+        report.bars("throughput_ratio_with_verify", "throughput on vs off, incl. verify"),
+        report.curves("spec/accept_rate", "accept rate per step", off=False),
+        report.curves("spec/drafted_tokens", "drafted tokens per step", off=False),
     ], extra=[
         "## Accept rate per step", "",
-        common.per_step_table(result["runs"], "spec/accept_rate", percent, off=False), "",
+        report.per_step_table(result["runs"], "spec/accept_rate", percent, off=False), "",
         "## Drafted tokens per step", "",
-        common.per_step_table(result["runs"], "spec/drafted_tokens", count, off=False),
+        report.per_step_table(result["runs"], "spec/drafted_tokens", count, off=False),
     ])
 
 

@@ -23,30 +23,31 @@ from __future__ import annotations
 
 import itertools
 
-import common
+import report
+import runner
 from megatron_bubblespec.metrics.formatting import percent
 
 STUDY = "05_dp_longtail"
 TITLE = "DP size and long-tail severity"
-COLUMNS = (*common.BUBBLE, common.Column("bubble (on run)", "bubble_ratio_on", percent),
-           *common.SPEED, *common.ACCEPT, *common.EXACT, *common.TRAINING)
+COLUMNS = (*report.BUBBLE, report.Column("bubble (on run)", "bubble_ratio_on", percent),
+           *report.SPEED, *report.ACCEPT, *report.EXACT, *report.TRAINING)
 
 
 def main(argv=None) -> None:
-    p = common.parser(__doc__)
-    p.add_argument("--dp", type=common.csv(int), default=[2, 4],
+    p = runner.parser(__doc__)
+    p.add_argument("--dp", type=runner.csv(int), default=[2, 4],
                    help="DP sizes (default %(default)s)")
-    p.add_argument("--max-new-tokens", type=common.csv(int), default=[16, 48, 96],
+    p.add_argument("--max-new-tokens", type=runner.csv(int), default=[16, 48, 96],
                    help="length caps, rollout.max_new_tokens (default %(default)s)")
-    p.add_argument("--tasks", type=common.csv(str), default=None,
+    p.add_argument("--tasks", type=runner.csv(str), default=None,
                    help="data.task values (default: the config's task)")
     p.add_argument("--full-grid", action="store_true", help="every (dp, cap, task) triple "
                    "instead of one factor at a time around the config's values")
     p.add_argument("--no-base", action="store_true", help="leave out the config's own "
                    "(dp, cap, task) point (one factor at a time only)")
     args = p.parse_args(argv)
-    common.learning_defaults(args)
-    cfg = common.load(args.config, common.base_overrides(args))
+    runner.learning_defaults(args)
+    cfg = runner.load(args.config, runner.base_overrides(args))
     tasks = args.tasks or [cfg.data.task]
     if cfg.model.path == "tiny" and set(tasks) != {"synthetic"}:
         raise SystemExit(f"--tasks {','.join(tasks)}: the tiny random model has no tokenizer, "
@@ -63,19 +64,19 @@ def main(argv=None) -> None:
             points = [x for x in points if x != base]
     per_rank = cfg.rollout.prompts_per_step // cfg.parallel.data
     model_parallel = cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.context
-    variants = [common.Variant(f"dp {d}, cap {n}, {t}", [
+    variants = [runner.Variant(f"dp {d}, cap {n}, {t}", [
         f"parallel.data={d}", f"parallel.world_size={d * model_parallel}",
         f"rollout.prompts_per_step={d * per_rank}",
         f"rollout.max_new_tokens={n}", f"data.task={t}", f"spec.max_draft_tokens={n}"])
         for d, n, t in dict.fromkeys(points)]
-    result = common.run_study(STUDY, args, variants)
-    common.finish(result, TITLE, COLUMNS, panels=[
-        common.bars("bubble_ratio_off", "bubble ratio of the off run", percent),
-        common.bars("decode_steps_ratio", "decode steps on / off (steps >= 1)"),
-        common.bars("throughput_ratio_with_verify", "throughput on vs off, incl. verify"),
-        common.bars("bubble_utilization", "share of the bubble spent drafting", percent),
-        common.bars("accept_rate", "accept rate (accepted / drafted tokens)", percent),
-        common.scatter("bubble_ratio_off", "decode_steps_ratio", "bubble vs decode steps saved",
+    result = runner.run_study(STUDY, args, variants)
+    report.finish(result, TITLE, COLUMNS, panels=[
+        report.bars("bubble_ratio_off", "bubble ratio of the off run", percent),
+        report.bars("decode_steps_ratio", "decode steps on / off (steps >= 1)"),
+        report.bars("throughput_ratio_with_verify", "throughput on vs off, incl. verify"),
+        report.bars("bubble_utilization", "share of the bubble spent drafting", percent),
+        report.bars("accept_rate", "accept rate (accepted / drafted tokens)", percent),
+        report.scatter("bubble_ratio_off", "decode_steps_ratio", "bubble vs decode steps saved",
                        "bubble ratio, off run", "decode steps on / off"),
     ])
 

@@ -16,7 +16,8 @@ propose the same tokens; pass rollout.engine=reference to run on the reference e
 
 from __future__ import annotations
 
-import common
+import report
+import runner
 from megatron_bubblespec.metrics.formatting import count, percent
 
 STUDY = "06_continuation"
@@ -24,30 +25,30 @@ TITLE = "Speculative continuation after divergence"
 
 
 def main(argv=None) -> None:
-    p = common.parser(__doc__)
-    p.add_argument("--continuation", type=common.csv(str), default=["true", "false"],
+    p = runner.parser(__doc__)
+    p.add_argument("--continuation", type=runner.csv(str), default=["true", "false"],
                    help="values of spec.speculative_continuation (default %(default)s)")
-    p.add_argument("--min-match", type=common.csv(int), default=[],
+    p.add_argument("--min-match", type=runner.csv(int), default=[],
                    help="extra continuation-on variants, one per spec.min_match value (the "
                         "shortest suffix match that proposes; the config's is the default "
                         "variant's), e.g. 3")
     args = p.parse_args(argv)
-    common.learning_defaults(args)
-    variants = [common.Variant(f"continuation {v}", [f"spec.speculative_continuation={v}"])
+    runner.learning_defaults(args)
+    variants = [runner.Variant(f"continuation {v}", [f"spec.speculative_continuation={v}"])
                 for v in args.continuation]
-    variants += [common.Variant(f"continuation true, min_match {m}",
+    variants += [runner.Variant(f"continuation true, min_match {m}",
                                 ["spec.speculative_continuation=true", f"spec.min_match={m}"])
                  for m in args.min_match]
-    result = common.run_study(STUDY, args, variants)
-    columns = (*common.ACCEPT, *common.SPEED[:2], *common.ENGINE, *common.SPEED[2:],
-               *common.BUBBLE, *common.COVERAGE, *common.CONTINUATION, *common.EXACT,
-               *common.TRAINING)
-    common.finish(result, TITLE, columns, extra=[
+    result = runner.run_study(STUDY, args, variants)
+    columns = (*report.ACCEPT, *report.SPEED[:2], *report.ENGINE, *report.SPEED[2:],
+               *report.BUBBLE, *report.COVERAGE, *report.CONTINUATION, *report.EXACT,
+               *report.TRAINING)
+    report.finish(result, TITLE, columns, extra=[
         "## Decode steps per step", "",
-        common.per_step_table(result["runs"], "rollout/decode_steps", count), "",
+        report.per_step_table(result["runs"], "rollout/decode_steps", count), "",
         "## Decode steps saved per step (1 - decode steps / plain decode steps of the same "
         "responses)", "",
-        common.per_step_table(result["runs"], "spec/decode_steps_saved_frac", percent, off=False),
+        report.per_step_table(result["runs"], "spec/decode_steps_saved_frac", percent, off=False),
     ])
 
 
