@@ -1,5 +1,7 @@
-"""The paired BubbleSpec on/off benchmark on configs/tiny.yaml (3 steps, 2 gloo ranks): same tokens,
-fewer decode steps from the second step on, finite ratios, and bench.json / bench.md / bench.png."""
+"""The paired BubbleSpec on/off benchmark on configs/tiny.yaml (3 steps, 2 gloo ranks, drafting
+horizon 1 so that step 2 is a steady-state step): same tokens, fewer decode steps from the second
+step on, the plain vLLM replay of the off run with the off run's exact token counts, finite ratios
+over the whole run and the steady state, and bench.json / bench.md / bench.png."""
 
 import argparse
 import json
@@ -8,7 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from megatron_bubblespec.loop.bench import add_bench_parser, bench, compare, token_mismatch
+from megatron_bubblespec.config import load_config
+from megatron_bubblespec.loop.bench import (RANGED, add_bench_parser, bench, compare, compare_steps,
+                                            markdown_summary, steady_state_first_step,
+                                            token_mismatch)
+from megatron_bubblespec.loop.plain_replay import load_run
+from megatron_bubblespec.metrics.rollouts import read_rollouts
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -16,19 +23,27 @@ TINY = ROOT / "configs" / "tiny.yaml"
 RATIOS = ("decode_steps_ratio", "rollout_time_ratio", "throughput_ratio",
           "throughput_ratio_with_verify", "verify_overhead_frac", "bubble_ratio_off",
           "bubble_utilization", "accepted_prefix_mean", "accept_rate", "draft_len_mean",
-          "draft_coverage", "accepted_coverage")
+          "draft_coverage", "accepted_coverage", "throughput_vs_plain", "throughput_off_vs_plain")
 KEYS = RATIOS + ("token_mismatch", "token_mismatch_samples", "lr", "policy_drift_kl_mean",
-                 "machine", "config", "overrides", "series")
+                 "machine", "config", "overrides", "series", "rollout_time_plain_s", "steady_state")
+# Ratios of the steady state (step 2 only): its one step has drafts and a plain replay.
+STEADY_RATIOS = ("decode_steps_ratio", "engine_steps_ratio", "throughput_ratio",
+                 "throughput_ratio_with_verify", "verify_overhead_frac", "throughput_vs_plain",
+                 "throughput_off_vs_plain", "accept_rate", "draft_coverage")
+# The fixture trains twice and replays the off run with plain vLLM (about 7 minutes on 2 busy
+# cores): whichever of its tests runs first pays for it.
+SLOW = pytest.mark.timeout(1200)
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    bench(TINY, out, ["run.steps=3", "logging.progress=false", "logging.plot=false",
-                      "logging.tensorboard=false"])
+    bench(TINY, out, ["run.steps=3", "spec.draft_horizon=1", "logging.progress=false",
+                      "logging.plot=false", "logging.tensorboard=false"])
     return out, json.loads((out / "bench.json").read_text())
 
 
+@SLOW
 def test_bench_json_has_the_paired_numbers(result):
     out, r = result
     assert set(KEYS) <= set(r)
@@ -41,15 +56,52 @@ def test_bench_json_has_the_paired_numbers(result):
     assert r["lr"] > 0 and math.isfinite(r["policy_drift_kl_mean"])
     assert r["machine"]["cpu_count"] >= 1 and r["machine"]["torch"] and r["machine"]["date"]
     assert r["config"] == str(TINY) and "run.steps=3" in r["overrides"]
-    for mode in ("on", "off"):
+    for mode in ("on", "off", "plain"):
         assert [s["step"] for s in r["series"][mode]] == [0, 1, 2]
         assert (out / f"tiny-{mode}" / "metrics.jsonl").is_file()
+    assert r["runs"]["plain"] == str(out / "tiny-plain")
+    assert r["throughput_vs_plain"] == pytest.approx(
+        r["rollout_time_plain_s"] / (r["rollout_time_on_s"] + r["verify_time_on_s"]))
 
 
+@SLOW
+def test_bench_steady_state_block(result):
+    _, r = result
+    steady = r["steady_state"]
+    assert steady["first_step"] == 2 and steady["steps_compared"] == 1  # lookahead 1 + horizon 1
+    assert set(steady) == RANGED
+    for key in STEADY_RATIOS:
+        assert steady[key] is not None and math.isfinite(steady[key]) and steady[key] > 0, key
+    step2 = {mode: r["series"][mode][2] for mode in ("on", "off", "plain")}
+    assert steady["decode_steps_ratio"] == pytest.approx(
+        step2["on"]["rollout/decode_steps"] / step2["off"]["rollout/decode_steps"])
+    assert steady["throughput_vs_plain"] == pytest.approx(
+        step2["plain"]["rollout/time_s"]
+        / (step2["on"]["rollout/time_s"] + step2["on"]["spec/verify_s"]))
+
+
+@SLOW
+def test_plain_replay_generates_the_off_runs_token_counts(result):
+    out, r = result
+    off, plain = read_rollouts(out / "tiny-off"), read_rollouts(out / "tiny-plain")
+    assert len(plain) == len(off) == 3
+    for step, (a, b) in enumerate(zip(off, plain)):
+        assert {g: len(t) for g, t in b.items()} == {g: len(t) for g, t in a.items()}, step
+        assert r["series"]["plain"][step]["rollout/tokens"] == sum(map(len, a.values()))
+    # vLLM's own sampler drew them, not the keyed one: the tokens are others
+    assert token_mismatch(plain, off)[1] > 0
+    for rec in r["series"]["plain"]:
+        ranks = [rec[f"rank{k}/rollout/time_s"] for k in range(2)]
+        assert rec["rollout/time_s"] == max(ranks) and min(ranks) > 0
+
+
+@SLOW
 def test_bench_writes_markdown_and_plot(result):
     out, r = result
     md = (out / "bench.md").read_text()
     assert "decode steps on / off" in md and "token mismatch" in md and "## Per step" in md
+    assert "| whole run (steps >= 1) | steady state (steps >= 2) |" in md
+    assert "throughput vs plain vLLM" in md and "rollout plain" in md
     assert md.count("\n| 2 |") == 1  # one per-step row per step
     assert "bench_decode.png" in md
     for name in ("bench.png", "bench_decode.png"):
@@ -78,12 +130,61 @@ def test_ratios_start_at_step_one_and_are_nan_without_data():
     assert math.isnan(compare(on[:1], off[:1])["decode_steps_ratio"])
 
 
+def same(a: dict, b: dict) -> bool:
+    """Equal dicts up to the first_step key, NaN equal to NaN."""
+    keys = (set(a) | set(b)) - {"first_step"}
+    return all(k in a and k in b and (a[k] == b[k] or math.isnan(a[k]) and math.isnan(b[k]))
+               for k in keys)
+
+
+def test_steady_state_is_the_same_numbers_over_the_later_steps():
+    on = [{"step": 0, "rollout/decode_steps": 100, "rollout/time_s": 9.0},
+          {"step": 1, "rollout/decode_steps": 30, "rollout/time_s": 1.0, "spec/verify_s": 0.5,
+           "spec/drafted_tokens": 80, "spec/accepted_tokens": 70},
+          {"step": 2, "rollout/decode_steps": 60, "rollout/time_s": 2.0, "spec/verify_s": 0.5,
+           "spec/drafted_tokens": 40, "spec/accepted_tokens": 10}]
+    off = [{"step": s, "rollout/decode_steps": 100, "rollout/time_s": 3.0} for s in range(3)]
+    plain = [{"step": s, "rollout/time_s": 2.5} for s in range(3)]
+    r = compare(on, off, plain, steady_from=2)
+    steady = r["steady_state"]
+    assert same(steady, compare_steps(on, off, plain, 2)) and steady["first_step"] == 2
+    assert steady["decode_steps_ratio"] == pytest.approx(0.6)
+    assert r["decode_steps_ratio"] == pytest.approx(0.45)
+    assert steady["throughput_vs_plain"] == pytest.approx(2.5 / 2.5)
+    assert r["throughput_vs_plain"] == pytest.approx(5.0 / 4.0)
+    assert steady["throughput_off_vs_plain"] == pytest.approx(2.5 / 3.0)
+    assert steady["accept_rate"] == pytest.approx(0.25)
+    assert r["accept_rate"] == pytest.approx(80 / 120)
+    whole = compare_steps(on, off, plain, 1)
+    assert same({k: r[k] for k in RANGED - {"first_step"}}, whole) and whole["first_step"] == 1
+    assert math.isnan(compare(on, off)["throughput_vs_plain"])  # no replay: no plain numbers
+    md = markdown_summary(r)
+    assert "| decode steps on / off | 0.450 | 0.600 |" in md
+    assert "| learning rate | - |  |" in md  # a whole-run-only number has no steady value
+    assert math.isnan(compare(on, off, plain, steady_from=3)["steady_state"]["decode_steps_ratio"])
+
+
+def test_steady_state_starts_after_the_steps_step_0s_bubble_drafts():
+    assert steady_state_first_step(load_config(TINY)) == 3   # tiny.yaml: lookahead 1, horizon 2
+    cfg = load_config(TINY, ["spec.draft_lookahead=2", "spec.draft_horizon=3"])
+    assert steady_state_first_step(cfg) == 5                 # step 0 drafts steps 2, 3, 4
+
+
+def test_plain_replay_refuses_a_directory_that_is_not_a_finished_run(tmp_path):
+    with pytest.raises(ValueError, match="no config.yaml"):
+        load_run(tmp_path)
+    (tmp_path / "config.yaml").write_text("run:\n  name: x\n")
+    with pytest.raises(ValueError, match="no rollouts.*--no-plain"):
+        load_run(tmp_path)
+
+
 def test_bench_parser_wiring():
     parser = argparse.ArgumentParser()
     add_bench_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", "--config", "c.yaml", "--out", "o", "run.steps=2"])
     assert (args.config, args.out, args.overrides) == ("c.yaml", "o", ["run.steps=2"])
-    assert args.func.__name__ == "cmd_bench"
+    assert args.func.__name__ == "cmd_bench" and not args.no_plain
+    assert parser.parse_args(["bench", "--config", "c", "--out", "o", "--no-plain"]).no_plain
 
 
 def test_draft_length_coverage_and_utilization_of_drafting_bubbles():

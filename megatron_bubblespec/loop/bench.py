@@ -1,11 +1,22 @@
-"""Config -> paired runs, BubbleSpec on / off (same seeds, prompts) -> ratios -> bench.json/md/png.
+"""Config -> paired runs, spec on / off -> plain vLLM replay -> ratios, whole + steady -> bench.*
 
 ``bench(config_path, out_dir, overrides)`` loads the config twice, once with ``spec.enabled=true``
 and once with ``spec.enabled=false`` (everything else identical, so both runs see the same seeds,
 prompts and sampling keys), trains each as its own run under ``out_dir`` (run names
-``<run.name>-on`` and ``<run.name>-off``, BubbleSpec on first) and compares them:
+``<run.name>-on`` and ``<run.name>-off``, BubbleSpec on first), then replays the off run's samples
+with plain vLLM sampling (:mod:`megatron_bubblespec.loop.plain_replay`: vLLM's own sampler, no
+keyed processor, no drafts, each sample exactly as many tokens as in the off run, the initial
+checkpoint, each DP rank's batch timed in turn and the slowest taken per step; written as the run
+directory ``<run.name>-plain``; ``plain=False`` / ``--no-plain`` skips it) and compares:
 
-* cost, over the steps >= 1 (the first step has no drafts to verify):
+* cost, over a step range: once over the steps >= 1 (the first step has no drafts to verify; the
+  keys at the top level) and once over the steady state, the steps >= H + 1 (``steady_state``: the
+  same keys plus ``first_step``; one function, :func:`compare_steps`, makes both). H =
+  ``spec.draft_lookahead`` + ``spec.draft_horizon`` - 1 is the last step that step 0's bubble
+  drafts (step t's bubble drafts steps t + k .. t + k + h - 1, k the lookahead, h the horizon):
+  steps 1 .. H ride on step 0's bubble, that of a step rolled out without drafts (its ranks
+  finish closer together), and the steady state starts right after them.
+  ``steps_compared`` = steps in the range;
   ``decode_steps_ratio`` = sum on decode steps / sum off decode steps (per request, the paper's
   metric); ``engine_steps_ratio`` = sum on / sum off of the step's engine steps (per step the
   slowest rank's: what its wall time follows, several tokens per request in a continuation step);
@@ -13,33 +24,44 @@ prompts and sampling keys), trains each as its own run under ``out_dir`` (run na
   ``throughput_ratio`` = off rollout time / on rollout time;
   ``throughput_ratio_with_verify`` = off rollout time / (on rollout time + on verify time), since
   verifying the drafts is part of what the on run pays;
+  ``throughput_vs_plain`` = plain rollout time / (on rollout time + on verify time): BubbleSpec
+  against the rollout users run today (DESIGN.md, "What faster means");
+  ``throughput_off_vs_plain`` = plain rollout time / off rollout time (below 1: what the keyed
+  draw itself costs);
   ``verify_overhead_frac`` = on verify time / on rollout time;
+  the sums behind them: ``decode_steps_on`` / ``_off``, ``engine_steps_on`` / ``_off``,
+  ``rollout_time_on_s`` / ``_off_s`` / ``_plain_s``, ``verify_time_on_s``;
+* drafts, over the same range (step 0 has none): ``accepted_prefix_mean`` (weighted by drafted
+  samples), ``accept_rate`` (accepted / drafted tokens), ``drafted_tokens``, ``accepted_tokens``,
+  ``draft_len_mean`` (drafted tokens / drafted samples), ``draft_coverage`` (drafted tokens / on
+  response tokens: the share of the responses the bubbles drafted; a draft longer than its
+  response counts in full), ``accepted_coverage`` ((prefix + continuation accepted tokens) / on
+  response tokens); the ceiling (:mod:`megatron_bubblespec.sim.ceiling`): ``accept_per_token`` (a
+  lower bound from the verified prefixes), ``decode_steps_ratio_ceiling`` = 1 - accept_per_token x
+  draft_coverage (the lowest decode steps ratio exact verification allows with these drafts) and
+  ``decode_steps_ratio_ceiling_full_coverage`` = 1 - accept_per_token (drafts covering every
+  response); speculative continuation (rollout proposals from the prompt's drafts):
+  ``continuation_proposed_tokens``, ``continuation_accepted_tokens``, ``continuation_accept_rate``
+  (accepted / proposed);
 * bubble, over all steps (the drafts of step t are made in the bubble of step t - 1):
   ``bubble_ratio_off`` = idle share of the off run's rank rollout time (the bubble there is to use),
   ``bubble_ratio_on``, ``bubble_utilization`` = on drafting time / on idle time of the bubbles
   that could draft (:func:`megatron_bubblespec.metrics.summary.bubble_utilization`: the last step
   has nothing to draft);
-* drafts, over all steps: ``accepted_prefix_mean`` (weighted by drafted samples), ``accept_rate``
-  (accepted / drafted tokens), ``drafted_tokens``, ``accepted_tokens``, ``draft_len_mean`` (drafted
-  tokens / drafted samples), ``draft_coverage`` (drafted tokens / on response tokens, steps >= 1:
-  the share of the responses the bubbles drafted; a draft longer than its response counts in
-  full), ``accepted_coverage`` ((prefix + continuation accepted tokens) / on response tokens,
-  steps >= 1); the ceiling (:mod:`megatron_bubblespec.sim.ceiling`): ``accept_per_token`` (a lower
-  bound from the verified prefixes), ``decode_steps_ratio_ceiling`` = 1 - accept_per_token x
-  draft_coverage (the lowest decode steps ratio exact verification allows with these drafts) and
-  ``decode_steps_ratio_ceiling_full_coverage`` = 1 - accept_per_token (drafts covering every
-  response); speculative continuation
-  (rollout proposals from the prompt's drafts): ``continuation_proposed_tokens``,
-  ``continuation_accepted_tokens``, ``continuation_accept_rate`` (accepted / proposed);
 * exactness: ``token_mismatch`` = response token positions that differ between the two runs over
   all steps and samples (a length difference counts its extra tokens, a sample missing from one run
   all of its tokens) and ``token_mismatch_samples`` = samples with any difference; both must be 0;
 * training: ``lr`` (the on run's last logged learning rate), ``policy_drift_kl_mean`` (mean over
-  the on run's steps of ``policy/drift_kl``), ``reward_mean_on`` / ``reward_mean_off``;
-* context: ``machine`` (cpu count, torch version, start and end date, wall time, load average),
-  ``config``, ``overrides``, and ``series`` (the full per-step records of both runs, NaN as null).
+  the on run's steps of ``policy/drift_kl``; ``policy_drift_kl_mean_off`` the off run's),
+  ``reward_mean_on`` / ``reward_mean_off``;
+* context: ``name``, ``steps``, ``runs`` (the run directories: on, off and plain when replayed),
+  ``machine`` (cpu count, torch version, start and end date, wall time, load average),
+  ``config``, ``overrides``, and ``series`` (the full per-step records of both runs and, when
+  replayed, ``plain``'s: ``rollout/time_s`` the slowest rank's, ``rank<r>/rollout/time_s``,
+  ``rollout/tokens``, ``rollout/decode_steps``, ``rollout/engine_steps``; NaN as null).
 
-A ratio whose denominator is 0 or missing is NaN in memory and null in bench.json.
+A ratio whose denominator is 0 or missing is NaN in memory and null in bench.json (so is every
+plain-vLLM number without the replay, and the steady state of a run too short to have one).
 """
 
 from __future__ import annotations
@@ -62,30 +84,32 @@ from megatron_bubblespec.sim.ceiling import accept_per_token_lower_bound, decode
 
 Record = Mapping[str, object]
 
-# (label, key in the result, formatter) of the summary table in bench.md, in row order.
+# (label, key in the result, formatter) of the summary table in bench.md, in row order; the keys
+# of compare_steps get a steady-state value too.
 SUMMARY_ROWS = (
-    ("decode steps on / off (steps >= 1)", "decode_steps_ratio", number),
-    ("engine steps on / off (steps >= 1)", "engine_steps_ratio", number),
-    ("rollout time on / off (steps >= 1)", "rollout_time_ratio", number),
+    ("decode steps on / off", "decode_steps_ratio", number),
+    ("engine steps on / off", "engine_steps_ratio", number),
+    ("rollout time on / off", "rollout_time_ratio", number),
     ("throughput on vs off (off time / on time)", "throughput_ratio", number),
     ("throughput with verify (off / (on + verify))", "throughput_ratio_with_verify", number),
+    ("throughput vs plain vLLM (plain / (on + verify))", "throughput_vs_plain", number),
+    ("throughput off vs plain vLLM (plain / off: the keyed draw)", "throughput_off_vs_plain",
+     number),
     ("verify time / on rollout time", "verify_overhead_frac", percent),
-    ("rollout time on (steps >= 1)", "rollout_time_on_s", seconds),
-    ("rollout time off (steps >= 1)", "rollout_time_off_s", seconds),
-    ("verify time on (steps >= 1)", "verify_time_on_s", seconds),
-    ("decode steps on (steps >= 1)", "decode_steps_on", count),
-    ("decode steps off (steps >= 1)", "decode_steps_off", count),
-    ("engine steps on (steps >= 1)", "engine_steps_on", count),
-    ("engine steps off (steps >= 1)", "engine_steps_off", count),
-    ("bubble ratio, off run", "bubble_ratio_off", percent),
-    ("bubble ratio, on run", "bubble_ratio_on", percent),
-    ("bubble utilization (drafting / idle), on run", "bubble_utilization", percent),
+    ("rollout time on", "rollout_time_on_s", seconds),
+    ("rollout time off", "rollout_time_off_s", seconds),
+    ("rollout time plain vLLM", "rollout_time_plain_s", seconds),
+    ("verify time on", "verify_time_on_s", seconds),
+    ("decode steps on", "decode_steps_on", count),
+    ("decode steps off", "decode_steps_off", count),
+    ("engine steps on", "engine_steps_on", count),
+    ("engine steps off", "engine_steps_off", count),
     ("accepted prefix mean (tokens)", "accepted_prefix_mean", number),
     ("accept rate (accepted / drafted tokens)", "accept_rate", percent),
     ("drafted tokens", "drafted_tokens", count),
     ("draft length mean (tokens per drafted sample)", "draft_len_mean", number),
-    ("drafted share of the responses (steps >= 1)", "draft_coverage", percent),
-    ("accepted share of the responses (steps >= 1)", "accepted_coverage", percent),
+    ("drafted share of the responses", "draft_coverage", percent),
+    ("accepted share of the responses", "accepted_coverage", percent),
     ("per-token acceptance (lower bound, from the prefixes)", "accept_per_token", percent),
     ("decode steps on / off ceiling with these drafts", "decode_steps_ratio_ceiling", number),
     ("decode steps on / off ceiling, drafts covering all", "decode_steps_ratio_ceiling_full_coverage",
@@ -94,8 +118,11 @@ SUMMARY_ROWS = (
     ("continuation proposed tokens", "continuation_proposed_tokens", count),
     ("continuation accepted tokens", "continuation_accepted_tokens", count),
     ("continuation accept rate (accepted / proposed)", "continuation_accept_rate", percent),
-    ("token mismatch on vs off (tokens)", "token_mismatch", count),
-    ("token mismatch on vs off (samples)", "token_mismatch_samples", count),
+    ("bubble ratio, off run (all steps)", "bubble_ratio_off", percent),
+    ("bubble ratio, on run (all steps)", "bubble_ratio_on", percent),
+    ("bubble utilization (drafting / idle), on run (all steps)", "bubble_utilization", percent),
+    ("token mismatch on vs off (tokens, all steps)", "token_mismatch", count),
+    ("token mismatch on vs off (samples, all steps)", "token_mismatch_samples", count),
     ("reward mean, on run", "reward_mean_on", number),
     ("reward mean, off run", "reward_mean_off", number),
     ("learning rate", "lr", scientific),
@@ -110,6 +137,8 @@ STEP_COLUMNS = (
     ("verify", "spec/verify_s", seconds),
     ("bubble", "bubble/ratio", percent),
 )
+# Shown for the plain vLLM replay, when there is one.
+STEP_COLUMNS_PLAIN = (("rollout plain", "rollout/time_s", seconds),)
 # Shown for the on run only.
 STEP_COLUMNS_ON = (
     ("util", "bubble/utilization", percent),
@@ -141,31 +170,33 @@ def token_mismatch(on: Sequence[Mapping[int, Sequence[int]]],
     return tokens, samples
 
 
-def compare(on: Sequence[Record], off: Sequence[Record]) -> dict:
-    """The on/off numbers of the module docstring from the two runs' step records."""
-    on1 = [r for r in on if value(r, "step") >= 1]
-    off1 = [r for r in off if value(r, "step") >= 1]
-    dec_on, dec_off = total_of(on1, "rollout/decode_steps"), total_of(off1, "rollout/decode_steps")
-    eng_on, eng_off = total_of(on1, "rollout/engine_steps"), total_of(off1, "rollout/engine_steps")
+def steady_state_first_step(cfg) -> int:
+    """H + 1, H = ``spec.draft_lookahead`` + ``spec.draft_horizon`` - 1: step 0's bubble drafts
+    steps k .. H (k = the lookahead), all from one long bubble (step 0 rolls out without drafts),
+    so the steady state starts right after them."""
+    return cfg.spec.draft_lookahead + cfg.spec.draft_horizon
+
+
+def compare_steps(on: Sequence[Record], off: Sequence[Record], plain: Sequence[Record],
+                  first_step: int) -> dict:
+    """The cost and draft numbers of the module docstring over the steps >= ``first_step``."""
+    on, off, plain = ([r for r in records if value(r, "step") >= first_step]
+                      for records in (on, off, plain))
+    dec_on, dec_off = total_of(on, "rollout/decode_steps"), total_of(off, "rollout/decode_steps")
+    eng_on, eng_off = total_of(on, "rollout/engine_steps"), total_of(off, "rollout/engine_steps")
+    t_on, t_off = total_of(on, "rollout/time_s"), total_of(off, "rollout/time_s")
+    t_plain = total_of(plain, "rollout/time_s")
+    verify = total_of(on, "spec/verify_s")
+    paid = t_on + (0.0 if math.isnan(verify) else verify)
+    drafted, samples = total_of(on, "spec/drafted_tokens"), total_of(on, "spec/drafted_samples")
+    accepted, tokens_on = total_of(on, "spec/accepted_tokens"), total_of(on, "rollout/tokens")
     proposed = total_of(on, "spec/continuation_proposed_tokens")
     continued = total_of(on, "spec/continuation_accepted_tokens")
-    t_on, t_off = total_of(on1, "rollout/time_s"), total_of(off1, "rollout/time_s")
-    verify = total_of(on1, "spec/verify_s")
-    verify_0 = 0.0 if math.isnan(verify) else verify
-    tokens_on = total_of(on1, "rollout/tokens")
-    continued_1 = total_of(on1, "spec/continuation_accepted_tokens")
-    coverage = ratio(total_of(on1, "spec/drafted_tokens"), tokens_on)
-    per_token = accept_per_token_lower_bound(total_of(on1, "spec/accepted_tokens"),
-                                             total_of(on1, "spec/drafted_samples"))
-
-    def bubble_ratio(records):
-        # mean of the step ratios weighted by rollout time = idle / (ranks x total rollout time)
-        return weighted_mean_of(records, "bubble/ratio", "rollout/time_s")
-
-    lrs = finite_values(value(r, "train/lr") for r in on)
+    coverage = ratio(drafted, tokens_on)
+    per_token = accept_per_token_lower_bound(accepted, samples)
     return {
-        "steps": len(on),
-        "steps_compared": len(on1),
+        "first_step": first_step,
+        "steps_compared": len(on),
         "decode_steps_on": dec_on,
         "decode_steps_off": dec_off,
         "decode_steps_ratio": ratio(dec_on, dec_off),
@@ -174,85 +205,149 @@ def compare(on: Sequence[Record], off: Sequence[Record]) -> dict:
         "engine_steps_ratio": ratio(eng_on, eng_off),
         "rollout_time_on_s": t_on,
         "rollout_time_off_s": t_off,
+        "rollout_time_plain_s": t_plain,
         "verify_time_on_s": verify,
         "rollout_time_ratio": ratio(t_on, t_off),
         "throughput_ratio": ratio(t_off, t_on),
-        "throughput_ratio_with_verify": ratio(t_off, t_on + verify_0),
+        "throughput_ratio_with_verify": ratio(t_off, paid),
+        "throughput_vs_plain": ratio(t_plain, paid),
+        "throughput_off_vs_plain": ratio(t_plain, t_off),
         "verify_overhead_frac": ratio(verify, t_on),
-        "bubble_ratio_off": bubble_ratio(off),
-        "bubble_ratio_on": bubble_ratio(on),
-        "bubble_utilization": bubble_utilization(on),
         "accepted_prefix_mean": weighted_mean_of(on, "spec/accepted_prefix_mean",
                                                "spec/drafted_samples"),
-        "accept_rate": ratio(total_of(on, "spec/accepted_tokens"), total_of(on, "spec/drafted_tokens")),
-        "drafted_tokens": total_of(on, "spec/drafted_tokens"),
-        "accepted_tokens": total_of(on, "spec/accepted_tokens"),
-        "draft_len_mean": ratio(total_of(on, "spec/drafted_tokens"),
-                                total_of(on, "spec/drafted_samples")),
+        "accept_rate": ratio(accepted, drafted),
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+        "draft_len_mean": ratio(drafted, samples),
         "draft_coverage": coverage,
+        "accepted_coverage": ratio(accepted + (0.0 if math.isnan(continued) else continued),
+                                   tokens_on),
         "accept_per_token": per_token,
         "decode_steps_ratio_ceiling": decode_steps_ratio_ceiling(per_token, coverage),
         "decode_steps_ratio_ceiling_full_coverage": decode_steps_ratio_ceiling(per_token, 1.0),
-        "accepted_coverage": ratio(total_of(on1, "spec/accepted_tokens") + (
-            0.0 if math.isnan(continued_1) else continued_1), tokens_on),
         "continuation_proposed_tokens": proposed,
         "continuation_accepted_tokens": continued,
         "continuation_accept_rate": ratio(continued, proposed),
+    }
+
+
+def compare(on: Sequence[Record], off: Sequence[Record], plain: Sequence[Record] = (),
+            steady_from: int | None = None) -> dict:
+    """The numbers of the module docstring from the runs' step records (``plain``: the plain
+    vLLM replay's, if any): :func:`compare_steps` over the steps >= 1 at the top level and, with
+    ``steady_from``, over the steps >= ``steady_from`` as ``steady_state``."""
+    whole = compare_steps(on, off, plain, 1)
+    del whole["first_step"]
+
+    def bubble_ratio(records):
+        # mean of the step ratios weighted by rollout time = idle / (ranks x total rollout time)
+        return weighted_mean_of(records, "bubble/ratio", "rollout/time_s")
+
+    lrs = finite_values(value(r, "train/lr") for r in on)
+    result = {
+        "steps": len(on),
+        **whole,
+        "bubble_ratio_off": bubble_ratio(off),
+        "bubble_ratio_on": bubble_ratio(on),
+        "bubble_utilization": bubble_utilization(on),
         "reward_mean_on": mean_of(on, "train/reward_mean"),
         "reward_mean_off": mean_of(off, "train/reward_mean"),
         "lr": lrs[-1] if lrs else math.nan,
         "policy_drift_kl_mean": mean_of(on, "policy/drift_kl"),
         "policy_drift_kl_mean_off": mean_of(off, "policy/drift_kl"),
     }
+    if steady_from is not None:
+        result["steady_state"] = compare_steps(on, off, plain, steady_from)
+    return result
 
 
 def _fmt(fmt, x) -> str:
     return fmt(math.nan if x is None else float(x))
 
 
+# The keys compare_steps computes over a step range (the ones with a steady-state value).
+RANGED = frozenset(compare_steps((), (), (), 1))
+
+
 def markdown_summary(result: Mapping[str, object]) -> str:
-    """The summary table of bench.md: one row per number."""
-    lines = ["| metric | value |", "|---|---:|"]
-    lines += [f"| {label} | {_fmt(fmt, result.get(key))} |" for label, key, fmt in SUMMARY_ROWS]
+    """The summary table of bench.md: one row per number, whole run | steady state."""
+    steady = result.get("steady_state")
+    if not steady:
+        lines = ["| metric | whole run (steps >= 1) |", "|---|---:|"]
+        lines += [f"| {label} | {_fmt(fmt, result.get(key))} |" for label, key, fmt in SUMMARY_ROWS]
+        return "\n".join(lines)
+    first = steady["first_step"]
+    lines = [f"| metric | whole run (steps >= 1) | steady state (steps >= {first}) |",
+             "|---|---:|---:|"]
+    for label, key, fmt in SUMMARY_ROWS:
+        later = _fmt(fmt, steady.get(key)) if key in RANGED else ""
+        lines.append(f"| {label} | {_fmt(fmt, result.get(key))} | {later} |")
     return "\n".join(lines)
 
 
-def markdown_steps(on: Sequence[Record], off: Sequence[Record]) -> str:
-    """The per-step table of bench.md: on and off side by side."""
+def markdown_steps(on: Sequence[Record], off: Sequence[Record],
+                   plain: Sequence[Record] = ()) -> str:
+    """The per-step table of bench.md: on and off side by side (and the plain vLLM replay)."""
+    plain_columns = STEP_COLUMNS_PLAIN if plain else ()
     header = ["step"]
     for name, _, _ in STEP_COLUMNS:
         header += [f"{name} on", f"{name} off"]
+    header += [name for name, _, _ in plain_columns]
     header += [f"{name} on" for name, _, _ in STEP_COLUMNS_ON]
     lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
     for step in range(max(len(on), len(off))):
         a = on[step] if step < len(on) else {}
         b = off[step] if step < len(off) else {}
+        c = plain[step] if step < len(plain) else {}
         row = [str(step)]
         for _, key, fmt in STEP_COLUMNS:
             row += [fmt(value(a, key)), fmt(value(b, key))]
+        row += [fmt(value(c, key)) for _, key, fmt in plain_columns]
         row += [fmt(value(a, key)) for _, key, fmt in STEP_COLUMNS_ON]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 
+def _regimes(result: Mapping[str, object]) -> str:
+    """The paragraph of bench.md on the two step ranges and the plain baseline."""
+    first = result["steady_state"]["first_step"]
+    before = "step 1 takes its" if first == 2 else f"steps 1 .. {first - 1} take their"
+    text = (f"Whole run: ratios over steps >= 1 (bubble, token mismatch and training over all "
+            f"steps). Steady state: steps >= {first}; before it, {before} drafts (if any) "
+            f"from step 0's bubble (spec.draft_lookahead + spec.draft_horizon - 1 = {first - 1}), "
+            f"the bubble of a step rolled out without drafts.")
+    if not result["steady_state"]["steps_compared"]:
+        text += (f" This run has no steady-state step: run more than {first} steps "
+                 "(run.steps) for one.")
+    if result["series"].get("plain"):
+        text += (" Plain vLLM: the off run's samples replayed with vLLM's own sampler (no keyed "
+                 "draw, no drafts), each exactly as many tokens as in the off run, initial "
+                 "checkpoint, each DP rank's batch timed in turn, the slowest per step.")
+    else:
+        text += " Plain vLLM replay skipped (--no-plain): its numbers are empty."
+    return text
+
+
 def markdown(result: Mapping[str, object]) -> str:
     m = result["machine"]
     over = " ".join(result["overrides"]) or "(none)"
+    series = result["series"]
     return "\n".join([
         f"# BubbleSpec on vs off: {result['name']}",
         "",
-        f"config `{result['config']}`, overrides `{over}`; {result['steps']} steps per run, "
-        f"ratios over steps >= 1 (bubble, drafts and drift over all steps).",
+        f"config `{result['config']}`, overrides `{over}`; {result['steps']} steps per run.",
         f"machine: {m['cpus_usable']} of {m['cpu_count']} CPUs, torch {m['torch']}, "
         f"{m['cuda'] or 'no GPU'}, {m['started']} to {m['date']} ({m['wall_s']:.0f} s), "
         f"load average at the end "
         f"{' '.join(f'{x:.2f}' for x in m['loadavg_1_5_15'] or ())}.",
         "",
+        _regimes(result),
+        "",
         markdown_summary(result),
         "",
         "## Per step",
         "",
-        markdown_steps(result["series"]["on"], result["series"]["off"]),
+        markdown_steps(series["on"], series["off"], series.get("plain", ())),
         "",
         "## Where the decode steps went (on run; line: decode steps of the off run)",
         "",
@@ -261,41 +356,57 @@ def markdown(result: Mapping[str, object]) -> str:
     ])
 
 
-def bench(config_path: str | Path, out_dir: str | Path, overrides: Sequence[str] = ()) -> dict:
-    """Run the paired on/off runs of ``config_path`` under ``out_dir`` and write the bench files."""
-    from megatron_bubblespec.config import load_config
+def bench(config_path: str | Path, out_dir: str | Path, overrides: Sequence[str] = (),
+          plain: bool = True) -> dict:
+    """Run the paired on/off runs of ``config_path`` under ``out_dir`` (and, with ``plain``, the
+    plain vLLM replay of the off run) and write the bench files."""
+    from megatron_bubblespec.config import ConfigError, load_config
+    from megatron_bubblespec.loop.plain_replay import check_replayable, replay_plain
     from megatron_bubblespec.loop.train import train
     from megatron_bubblespec.metrics import plot_run
 
     out = Path(out_dir)
     overrides = list(overrides)
-    name = load_config(config_path, overrides).run.name  # validates before any run starts
+    cfg = load_config(config_path, overrides)  # validates before any run starts
+    name = cfg.run.name
+    if plain:
+        try:
+            check_replayable(cfg)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     started, t0 = datetime.datetime.now().astimezone(), time.perf_counter()
     runs = {}
     for mode, enabled in (("on", "true"), ("off", "false")):
-        cfg = load_config(config_path, [*overrides, f"run.output_dir={out}",
-                                        f"run.name={name}-{mode}", f"spec.enabled={enabled}"])
-        runs[mode] = train(cfg)
+        run_cfg = load_config(config_path, [*overrides, f"run.output_dir={out}",
+                                            f"run.name={name}-{mode}", f"spec.enabled={enabled}"])
+        runs[mode] = train(run_cfg)
     on, off = runs["on"]["records"], runs["off"]["records"]
+    dirs = {"on": str(out / f"{name}-on"), "off": str(out / f"{name}-off")}
+    series = {"on": list(on), "off": list(off)}
+    if plain:
+        dirs["plain"] = str(out / f"{name}-plain")
+        replay = replay_plain(dirs["off"], dirs["plain"])
+        series["plain"] = replay.records
     mismatch, mismatch_samples = token_mismatch(runs["on"]["rollouts"], runs["off"]["rollouts"])
+    steady_from = steady_state_first_step(cfg)
     result = {
         "name": name,
         "config": str(config_path),
         "overrides": overrides,
-        "runs": {"on": str(out / f"{name}-on"), "off": str(out / f"{name}-off")},
-        **compare(on, off),
+        "runs": dirs,
+        **compare(on, off, series.get("plain", ()), steady_from),
         "token_mismatch": mismatch,
         "token_mismatch_samples": mismatch_samples,
         "machine": {**machine_info(), "started": started.isoformat(timespec="seconds"),
                     "wall_s": time.perf_counter() - t0},
-        "series": {"on": list(on), "off": list(off)},
+        "series": series,
     }
     out.mkdir(parents=True, exist_ok=True)
     text = to_json(result, indent=1)
     (out / "bench.json").write_text(text + "\n")
     (out / "bench.md").write_text(markdown(result))
     plot_run(on, out / "bench.png", baseline=off)
-    plot_decode_breakdown(on, out / "bench_decode.png", baseline=off)
+    plot_decode_breakdown(on, out / "bench_decode.png", baseline=off, steady_from=steady_from)
     return result
 
 
@@ -305,6 +416,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
                                    description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True, help="YAML config (see configs/)")
     parser.add_argument("--out", required=True, help="directory for the two runs and bench.*")
+    parser.add_argument("--no-plain", action="store_true",
+                        help="skip the plain vLLM replay of the off run (no throughput_vs_plain)")
     parser.add_argument("overrides", nargs="*",
                         help="dotted overrides for both runs, e.g. run.steps=3")
     parser.set_defaults(func=cmd_bench)
@@ -312,13 +425,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_bench(args) -> int:
-    """Run a config with BubbleSpec on and off (paired runs) and compare: bench.json, .md, .png."""
+    """Run a config with BubbleSpec on and off, replay the off run with plain vLLM: bench.*"""
     import sys
 
     from megatron_bubblespec.config import ConfigError
 
     try:
-        result = bench(args.config, args.out, args.overrides)
+        result = bench(args.config, args.out, args.overrides, plain=not args.no_plain)
     except ConfigError as err:
         print(f"bubblespec bench: config error: {err}", file=sys.stderr)
         return 2

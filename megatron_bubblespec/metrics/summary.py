@@ -218,10 +218,15 @@ def plot_run(records: Sequence[Record], path_png: str | Path,
 
 
 def plot_decode_breakdown(records: Sequence[Record], path_png: str | Path,
-                          baseline: Sequence[Record] | None = None) -> Path:
+                          baseline: Sequence[Record] | None = None,
+                          steady_from: int | None = None) -> Path:
     """Write one PNG: per step, where the response tokens of the run came from, stacked: tokens of
     the verified draft prefix (no decode step), tokens accepted by speculative continuation (several
-    per decode step) and decode steps run; ``baseline`` (BubbleSpec off) decode steps as a line."""
+    per decode step) and decode steps run; ``baseline`` (BubbleSpec off) decode steps as a line.
+
+    ``steady_from``: the first steady-state step; the steps before it (no drafts, or drafts from
+    step 0's bubble) are shaded and labelled "transient", the rest "steady state", split by a
+    dashed line."""
     if not records:
         raise ValueError("plot_decode_breakdown needs at least one step record")
     steps, prefix = _series(records, "spec/accepted_tokens")
@@ -245,9 +250,30 @@ def plot_decode_breakdown(records: Sequence[Record], path_png: str | Path,
                 label="decode steps, BubbleSpec off")
         tops += finite_values(base)
     _headroom(ax, tops)
+    if steady_from is not None:
+        _mark_regimes(ax, steps, steady_from)
     ax.set_xlabel("step")
     ax.set_ylabel("decode steps / tokens, summed over samples")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     _legend(ax)
     fig.savefig(path_png)
     return Path(path_png)
+
+
+def _mark_regimes(ax, steps: Sequence[float], steady_from: int) -> None:
+    """Shade the transient steps (< ``steady_from``), draw a dashed line where the steady state
+    starts, and name each regime just above the panel (clear of the legend)."""
+    first, last = min(steps) - 0.5, max(steps) + 0.5
+    split = min(max(steady_from - 0.5, first), last)
+    ax.set_xlim(first, last)
+    above = ax.get_xaxis_transform()   # x in steps, y in panel heights
+    if split > first:
+        ax.axvspan(first, split, color="grey", alpha=0.15, zorder=0,
+                   label=f"transient: steps < {steady_from} (no drafts, or step 0's bubble's)")
+        ax.text((first + split) / 2, 1.01, "transient", transform=above, ha="center",
+                va="bottom", color="dimgrey", fontsize=9)
+    if split < last:
+        ax.axvline(split, color="dimgrey", linestyle="--", linewidth=1)
+        ax.text((split + last) / 2, 1.01, f"steady state (steps >= {steady_from})",
+                transform=above, ha="center", va="bottom", color="dimgrey", fontsize=9)
+    ax.set_title(ax.get_title(), pad=18)
