@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -281,3 +282,142 @@ def test_a_gpu_layout_config_gives_its_shape_on_a_cpu():
     assert cfg.parallel.data == 2
     assert cfg.rollout.prompts_per_step * cfg.rollout.samples_per_prompt // 2 == 128
     assert cfg.rollout.max_new_tokens == 65536
+
+
+# ------------------------------------------------------------------------------ rollout layouts
+
+QWEN_7B = dict(params=7.62e9, layers=28, heads=28, kv_heads=4, head_dim=128, engine_overhead=3e9)
+CONFIGS = Path(__file__).parents[1] / "configs"
+
+
+def test_kv_capacity_is_the_configs_arithmetic():
+    """By hand: 0.36 x 80 GB = 28.8 GB; weights 2 B x 7.62e9 / 4 = 3.81 GB; 3 GB overhead; KV
+    21.99 GB at 2 x 28 x 4 x 128 x 2 B / 4 = 14,336 B a token = 1,533,900 tokens = 46 sequences
+    of 32,768 (configs/qwen2.5-7b-32k.yaml). The 32B on one 141 GB GPU at 0.76: 107.16 - 65.52 -
+    4 = 37.64 GB at 262,144 B = 143,585 tokens = 2 sequences of 66,048."""
+    from megatron_bubblespec.sim.memory import KNOWN_MODELS, ModelShape, kv_capacity
+
+    c = kv_capacity(ModelShape(**QWEN_7B), 4, gpu_bytes=80e9, gpu_memory_utilization=0.36,
+                    max_model_len=32768)
+    assert c.weight_bytes == pytest.approx(3.81e9)
+    assert c.kv_bytes == pytest.approx(21.99e9)
+    assert c.kv_bytes_per_token == 14336
+    assert (c.tokens, c.sequences) == (1_533_900, 46)
+    big = kv_capacity(ModelShape(**KNOWN_MODELS["Qwen2.5-32B"]), 1, gpu_bytes=141e9,
+                      gpu_memory_utilization=0.76, max_model_len=66048)
+    assert (big.kv_bytes_per_token, big.tokens, big.sequences) == (262144, 143_585, 2)
+
+
+def test_kv_capacity_follows_vllms_head_split():
+    from megatron_bubblespec.sim.memory import ModelShape, engine_tp_ok, kv_capacity
+
+    shape = ModelShape(params=1e9, layers=2, heads=8, kv_heads=2, head_dim=64, engine_overhead=0)
+    # r = 4 > 2 KV heads: each GPU keeps a whole KV head, 2 x 2 layers x 64 x 2 B
+    c = kv_capacity(shape, 4, gpu_bytes=10e9, gpu_memory_utilization=0.5, max_model_len=1000)
+    assert c.kv_bytes_per_token == 2 * 2 * 1 * 64 * 2
+    assert [r for r in range(1, 9) if engine_tp_ok(shape, r)] == [1, 2, 4, 8]
+    assert not engine_tp_ok(ModelShape(**QWEN_7B), 8)          # 28 query heads over 8 GPUs
+    with pytest.raises(ValueError, match="heads"):
+        kv_capacity(ModelShape(**QWEN_7B), 8, gpu_bytes=80e9, gpu_memory_utilization=0.5,
+                    max_model_len=1000)
+
+
+def test_model_shape_from_a_config_json(tmp_path):
+    """Qwen2.5-7B's public config.json gives its 7.62e9 parameters (7.615e9 counted)."""
+    from megatron_bubblespec.sim.memory import model_shape
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584,
+        "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+        "intermediate_size": 18944, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+        "tie_word_embeddings": False, "max_position_embeddings": 131072}))
+    shape = model_shape(str(tmp_path))
+    assert shape.params == pytest.approx(7.62e9, rel=0.002)
+    assert (shape.layers, shape.heads, shape.kv_heads, shape.head_dim) == (28, 28, 4, 128)
+    assert model_shape("/nowhere/Qwen2.5-32B").kv_heads == 8
+    with pytest.raises(ValueError, match="config.json"):
+        model_shape(str(tmp_path / "unknown"))
+
+
+def test_waves_appear_exactly_when_sequences_exceed_the_slots():
+    from megatron_bubblespec.sim.model import makespan_steps
+
+    for samples in range(1, 8):
+        m = np.full((1, samples), 10.0)
+        assert makespan_steps(m, 3)[0] == 10 * math.ceil(samples / 3)
+        assert makespan_steps(m, None)[0] == 10
+    # continuous batching: the fourth sample takes the first slot to free up (after 2 steps)
+    assert makespan_steps(np.array([[2.0, 10.0, 9.0, 5.0]]), 3)[0] == 10
+
+
+def test_two_engines_per_replica_halve_its_load():
+    """One replica of 8 samples of 10 decode steps each, a cost of 1 s per sequence and step:
+    one engine takes 80 s, two engines (samples 0, 2, .. and 1, 3, ..) 40 s each; at rollout TP
+    4 with alpha 1 (0.5) an engine is 4x (2x) faster than the measured TP-1 engine."""
+    from megatron_bubblespec.sim.model import per_engine
+
+    assert per_engine(np.arange(8).reshape(1, 8), 2).tolist() == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    costs = StepCosts(EngineCosts(0.0, 1.0, 0.0, 0.0, 0.0))
+    lengths = np.full((1, 1, 8), 11)
+
+    def rollout(**changes):
+        point = setting(ranks=1, samples_per_rank=8, spec=False, **changes)
+        return simulate(point, costs, measured_lengths=lengths)["rollout_time_off_s"]
+
+    assert rollout() == 80.0
+    assert rollout(engines_per_replica=2) == 40.0
+    assert rollout(engine_tp=4) == 20.0
+    assert rollout(engine_tp=4, tp_alpha=0.5) == 40.0
+    with pytest.raises(ValueError, match="split evenly"):
+        setting(samples_per_rank=8, engines_per_replica=3)
+
+
+def test_engines_on_every_gpu_never_roll_out_longer_than_one_per_replica():
+    """Same costs, rollout TP and KV slots: the engines of a replica split its samples, so each
+    one's rollout is a subset of the single engine's, never longer, and the single engine's 16
+    sequences over 8 slots run in waves the two engines' 8 each do not."""
+    one = setting(ranks=4, samples_per_rank=16, engine_tp=4, kv_slots=8, jitter=0.0)
+    two = replace(one, engines_per_replica=2)
+    for seed in range(3):
+        a, b = (simulate(s, COSTS, LONG_TAIL, steps=4, seed=seed) for s in (one, two))
+        assert (np.array(b["trace"]["rollout_off"]) <= np.array(a["trace"]["rollout_off"])).all()
+        assert b["engines"] == 2 * a["engines"] == 8
+        assert b["rollout_time_off_s"] < a["rollout_time_off_s"]
+
+
+def test_rollout_layouts_of_the_long_context_configs():
+    """qwen2.5-7b-64k (TP 4 x PP 2 x CP 2, 141 GB, 0.60): one engine per replica at TP 4 holds 82
+    sequences of 66,048; on every GPU rollout TP 1, 2, 4 give 16, 8, 4 engines per replica
+    (17, 39, 82 slots); TP 8 cannot split 28 query heads."""
+    from megatron_bubblespec.sim.cli import config_shape
+    from megatron_bubblespec.sim.layout import rollout_layouts
+
+    cfg = config_shape(CONFIGS / "qwen2.5-7b-64k.yaml")
+    layouts, notes = rollout_layouts(cfg, ["one-per-replica", "every-gpu"], gpu_bytes=141e9)
+    got = [(l.name, l.engine_tp, l.engines_per_replica, l.kv_slots, l.waves(128))
+           for l in layouts]
+    assert got == [("one-per-replica", 4, 1, 82, 2), ("every-gpu", 1, 16, 17, 1),
+                   ("every-gpu", 2, 8, 39, 1), ("every-gpu", 4, 4, 82, 1)]
+    assert len(notes) == 1 and "TP 8" in notes[0]
+    small, notes = rollout_layouts(cfg, ["one-per-replica"], gpu_bytes=10e9)
+    assert small == [] and "holds no sequence" in notes[0]
+    with pytest.raises(ValueError, match="divide"):
+        rollout_layouts(cfg, ["every-gpu"], gpu_bytes=141e9, engine_tps=[3])
+
+
+def test_simulate_cli_predicts_per_layout(tmp_path):
+    from megatron_bubblespec.cli import main
+
+    argv = ["simulate", "--bench", str(BENCH), "--config", str(CONFIGS / "qwen2.5-7b-32k.yaml"),
+            "--layouts", "one-per-replica,every-gpu", "--rollout-tp", "4", "--gpu-memory-gb",
+            "80", "--ranks", "2", "--contexts", "1024", "--prompt-len", "16", "--steps", "2",
+            "--seeds", "1",
+            "--check-replicates", "1", "--out", str(tmp_path)]
+    for engine in ENGINES:
+        argv += ["--engine", str(engine)]
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "simulate.json").read_text())
+    rows = [(p["layout"], p["engines_per_replica"], p["kv_slots"], p["engines"])
+            for p in result["predictions"]]
+    assert rows == [("one-per-replica", 1, 46, 2), ("every-gpu", 2, 46, 4)]
+    assert "| KV slots |" in (tmp_path / "simulate.md").read_text()

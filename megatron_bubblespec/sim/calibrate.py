@@ -37,6 +37,9 @@ What is fitted from what (every choice is recorded in ``Calibration.notes``):
   ``rollout/decode_steps``), over the on run's steps with drafts: steps where every drafted token
   was accepted give the gain past a draft's end, steps with a rejected token the gain after a
   divergence (taken as the past-the-end gain when no draft was rejected).
+* engine TP: the fitted engine is one of the bench's rollout TP (``rollout.tensor_parallel``, 1
+  without a config; ``StepCosts.engine_tp``); a bench whose replicas ran several engines each is
+  refused (its rank times are per DP rank).
 * lengths: the responses of the off run (``<out>/<name>-off/rollouts.jsonl``, in global sample
   order, so the ``B`` samples of rank ``r`` are ``r * B .. r * B + B - 1``) as fractions of the
   budget ``rollout.max_new_tokens``: the share that ran to the budget (``LengthModel.cap_share``)
@@ -430,10 +433,15 @@ def _mean(values) -> float:
 # ------------------------------------------------------------------------------------ calibrate
 
 def _job_shape(cfg, off: Sequence[Mapping], bench_path: Path) -> dict:
-    """Ranks, samples per rank, budgets, chunk and engine of the measured job (config first)."""
+    """Ranks, samples per rank, budgets, chunk, rollout TP and engine of the measured job (config
+    first)."""
     if cfg is not None:
-        r = cfg.rollout
-        return {"ranks": cfg.parallel.data, "cap": r.max_new_tokens,
+        r, p = cfg.rollout, cfg.parallel
+        engines = p.tensor * p.pipeline * p.context // r.tensor_parallel
+        if engines != 1:
+            raise CalibrationError(f"bench file {bench_path}: its job ran {engines} engines per "
+                                   "model replica; calibration reads one engine per DP rank")
+        return {"ranks": p.data, "cap": r.max_new_tokens, "engine_tp": r.tensor_parallel,
                 "samples": r.prompts_per_step * r.samples_per_prompt // cfg.parallel.data,
                 "draft_budget": min(cfg.spec.max_draft_tokens, r.max_new_tokens),
                 "chunk": cfg.spec.draft_chunk, "in_flight": cfg.spec.draft_in_flight,
@@ -445,8 +453,9 @@ def _job_shape(cfg, off: Sequence[Mapping], bench_path: Path) -> dict:
         raise CalibrationError(f"bench file {bench_path}: cannot tell the number of DP ranks "
                                "(no run config.yaml and no rank*/bubble/idle_s metrics)")
     cap = int(max(r["rollout/max_response_len"] for r in off))
-    return {"ranks": ranks, "cap": cap, "samples": None, "draft_budget": cap, "chunk": 2,
-            "in_flight": DRAFT_CONCURRENCY, "horizon": 1, "continuation_k": 0, "engine": None}
+    return {"ranks": ranks, "cap": cap, "engine_tp": 1, "samples": None, "draft_budget": cap,
+            "chunk": 2, "in_flight": DRAFT_CONCURRENCY, "horizon": 1, "continuation_k": 0,
+            "engine": None}
 
 
 def _engine_costs(engine_paths, engine_name, lengths, measured_rank_s, prompt_len, notes):
@@ -514,7 +523,7 @@ def calibrate(bench_path: str | Path, engine_paths: Sequence[str | Path] = (), *
         heaviest = [r["rollout/tokens"] / ranks + samples * prompt_len for r in off]
     train_token_s = _mean(r.get("train/step_s") for r in off) / max(_mean(heaviest), 1.0)
     costs = StepCosts(engine, verify_s, verify_token_s, train_token_s,
-                      _mean(r.get("sync/reshard_s") for r in off))
+                      _mean(r.get("sync/reshard_s") for r in off), engine_tp=job["engine_tp"])
     accept = fit_accept_prob(on)
     if accept is None:
         accept = DEFAULT_ACCEPT_PROB
@@ -540,7 +549,7 @@ def calibrate(bench_path: str | Path, engine_paths: Sequence[str | Path] = (), *
                          f"draft's end, {gain_diverged:.3g} in steps with a divergence")
     setting = Setting(ranks, samples, prompt_len, cap, job["draft_budget"], accept_prob=accept,
                       draft_concurrency=job["in_flight"], draft_chunk=job["chunk"],
-                      draft_horizon=job["horizon"],
+                      draft_horizon=job["horizon"], engine_tp=job["engine_tp"],
                       jitter=jitter, continuation_k=job["continuation_k"],
                       continuation_gain_past=gain_past, continuation_gain_diverged=gain_diverged)
     measured = {k: bench.get(k) for k in (*CHECKED, "accepted_prefix_mean", "steps",

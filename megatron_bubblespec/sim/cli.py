@@ -10,6 +10,14 @@ continuation and prompt length from a training config instead; the ``--lengths``
 ``--accept-prob``, ``--jitter``, ``--continuation-diverged`` and ``--max-draft-tokens`` flags
 replace single fitted parts, to ask "what if". Every row carries the ceiling ``1 - acceptance x
 coverage`` (``sim.ceiling``).
+
+``--layouts`` (with ``--config`` and ``--gpu-memory-gb``) simulates every point once per rollout
+layout of that config (``sim.layout``: one engine per replica, or engines on every GPU at each
+rollout TP ``r`` vLLM can split the model over, or the ``--rollout-tp`` ones): the engines per
+replica, their TP (engine time x ``(r0 / r) ^ --tp-alpha``) and their KV slots (``sim.memory``,
+from the config's ``max_model_len`` and ``gpu_memory_utilization`` or
+``--gpu-memory-utilization``). Without it the grid keeps the calibrated job's one engine per
+replica at its own rollout TP, with no KV limit.
 """
 
 from __future__ import annotations
@@ -71,6 +79,16 @@ def length_model(cal, choice):
     return choice
 
 
+def _layouts(text: str) -> list[str]:
+    from megatron_bubblespec.sim.layout import LAYOUTS
+
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names or any(n not in LAYOUTS for n in names):
+        raise argparse.ArgumentTypeError(f"--layouts {text!r}: comma-separated names from "
+                                         f"{', '.join(LAYOUTS)}")
+    return names
+
+
 def _jitter(text: str) -> float | None:
     if text == "calibrated":
         return None
@@ -117,7 +135,7 @@ def grid_setting(cal, args):
             draft_horizon=cfg.spec.draft_horizon,
             continuation_k=cfg.spec.spec_k if cfg.spec.speculative_continuation else 0)
         budget_frac = min(cfg.spec.max_draft_tokens, r.max_new_tokens) / r.max_new_tokens
-        prompt = prompt_length(cfg)
+        prompt = prompt_length(cfg) if args.prompt_len is None else None
         if prompt is not None:
             setting = replace(setting, prompt_len=prompt)
     changes = {}
@@ -131,6 +149,8 @@ def grid_setting(cal, args):
         changes["draft_horizon"] = args.draft_horizon
     if args.jitter is not None:
         changes["jitter"] = args.jitter
+    if args.tp_alpha is not None:
+        changes["tp_alpha"] = args.tp_alpha
     if args.continuation_diverged != "calibrated":
         changes["continuation_gain_diverged"] = (None if args.continuation_diverged == "realigned"
                                                  else args.continuation_diverged)
@@ -152,33 +172,70 @@ def _continuation(text: str):
 
 def predict(cal, setting, budget_frac: float, lengths, ranks: Sequence[int],
             contexts: Sequence[int], *, steps: int, seeds: int, max_draft_tokens: int | None,
-            seed: int = 0) -> list[dict]:
-    """One row per (ranks, context): the mean over ``seeds`` of ``simulate``'s summary, with the
-    ceiling ``1 - acceptance x coverage`` (``sim.ceiling``) of the point's decode-step ratio."""
+            seed: int = 0, layouts: Sequence | None = None) -> list[dict]:
+    """One row per (layout, context, ranks): the mean over ``seeds`` of ``simulate``'s summary,
+    with the ceiling ``1 - acceptance x coverage`` (``sim.ceiling``) of the point's decode-step
+    ratio. ``layouts`` (``sim.layout.EngineLayout``s) set the engines per replica, their TP and
+    KV slots; None keeps ``setting``'s."""
     from megatron_bubblespec.sim.ceiling import decode_steps_ratio_ceiling
     from megatron_bubblespec.sim.model import simulate
 
     rows = []
-    for context in contexts:
-        budget = context - setting.prompt_len
-        if budget < 2:
-            raise ValueError(f"context {context} leaves no response budget after a prompt of "
-                             f"{setting.prompt_len} tokens")
-        draft = max_draft_tokens if max_draft_tokens is not None else round(budget_frac * budget)
-        for r in ranks:
-            point = replace(setting, ranks=r, max_new_tokens=budget,
-                            max_draft_tokens=min(draft, budget))
-            runs = [simulate(point, cal.costs, lengths, steps=steps, seed=seed + i)
-                    for i in range(seeds)]
-            row = {"ranks": r, "context": context, "response_budget": budget,
-                   "max_draft_tokens": point.max_draft_tokens}
-            for key, value in runs[0].items():
-                if key not in ("trace", "steps", "ranks"):
-                    row[key] = float(np.nanmean([run[key] for run in runs]))
-            row["decode_steps_ratio_ceiling"] = decode_steps_ratio_ceiling(
-                point.accept_prob, row["draft_coverage"])
-            rows.append(row)
+    for layout in layouts or [None]:
+        shaped, facts = setting, {}
+        if layout is not None:
+            shaped = replace(setting, engines_per_replica=layout.engines_per_replica,
+                             engine_tp=layout.engine_tp, kv_slots=layout.kv_slots)
+            facts = {"layout": layout.name, "engine_tp": layout.engine_tp,
+                     "engines_per_replica": layout.engines_per_replica,
+                     "kv_slots": layout.kv_slots,
+                     "samples_per_engine": layout.samples_per_engine(setting.samples_per_rank),
+                     "waves": layout.waves(setting.samples_per_rank),
+                     "kv_tokens": layout.capacity.tokens}
+        for context in contexts:
+            budget = context - setting.prompt_len
+            if budget < 2:
+                raise ValueError(f"context {context} leaves no response budget after a prompt of "
+                                 f"{setting.prompt_len} tokens")
+            draft = (max_draft_tokens if max_draft_tokens is not None
+                     else round(budget_frac * budget))
+            for r in ranks:
+                point = replace(shaped, ranks=r, max_new_tokens=budget,
+                                max_draft_tokens=min(draft, budget))
+                runs = [simulate(point, cal.costs, lengths, steps=steps, seed=seed + i)
+                        for i in range(seeds)]
+                row = {"ranks": r, "context": context, "response_budget": budget,
+                       "max_draft_tokens": point.max_draft_tokens, **facts}
+                for key, value in runs[0].items():
+                    if key not in ("trace", "steps", "engines"):
+                        row[key] = float(np.nanmean([run[key] for run in runs]))
+                row["engines"] = runs[0]["engines"]
+                if layout is not None:
+                    row["kv_demand"] = row["engine_tokens_max"] / layout.capacity.tokens
+                row["decode_steps_ratio_ceiling"] = decode_steps_ratio_ceiling(
+                    point.accept_prob, row["draft_coverage"])
+                rows.append(row)
     return rows
+
+
+def grid_layouts(args) -> tuple[list, list[str], str | None]:
+    """``--layouts`` of ``--config`` on GPUs of ``--gpu-memory-gb``: the layouts, the notes on
+    those left out, and the model's name (all empty without ``--layouts``)."""
+    from megatron_bubblespec.sim.layout import rollout_layouts
+
+    if not args.layouts:
+        return [], [], None
+    if not args.config or args.gpu_memory_gb is None:
+        raise ValueError("--layouts needs --config (the training layout and model) and "
+                         "--gpu-memory-gb (the memory of one GPU)")
+    cfg = config_shape(args.config)
+    overhead = None if args.engine_overhead_gb is None else args.engine_overhead_gb * 1e9
+    layouts, notes = rollout_layouts(cfg, args.layouts, gpu_bytes=args.gpu_memory_gb * 1e9,
+                                     gpu_memory_utilization=args.gpu_memory_utilization,
+                                     engine_tps=args.rollout_tp, overhead_bytes=overhead)
+    if not layouts:
+        raise ValueError("no layout fits: " + "; ".join(notes))
+    return layouts, notes, cfg.model.path
 
 
 def run_simulation(args) -> dict:
@@ -188,9 +245,11 @@ def run_simulation(args) -> dict:
     check = calibration_check(cal, replicates=args.check_replicates, seed=args.seed)
     setting, budget_frac = grid_setting(cal, args)
     lengths = length_model(cal, args.lengths)
+    layouts, layout_notes, model = grid_layouts(args)
     predictions = predict(cal, setting, budget_frac, lengths, args.ranks, args.contexts,
                           steps=args.steps, seeds=args.seeds,
-                          max_draft_tokens=args.max_draft_tokens, seed=args.seed)
+                          max_draft_tokens=args.max_draft_tokens, seed=args.seed,
+                          layouts=layouts)
     draft = (str(args.max_draft_tokens) if args.max_draft_tokens is not None
              else f"{budget_frac:.0%} of the response budget")
     return {
@@ -200,7 +259,10 @@ def run_simulation(args) -> dict:
         "check": check,
         "grid": {"setting": asdict(setting), "lengths": lengths.describe(),
                  "draft_budget": draft, "steps": args.steps, "seeds": args.seeds,
-                 "ranks": list(args.ranks), "contexts": list(args.contexts)},
+                 "ranks": list(args.ranks), "contexts": list(args.contexts),
+                 "layouts": [asdict(layout) | {"kv_slots": layout.kv_slots} for layout in layouts],
+                 "layout_notes": layout_notes, "model": model,
+                 "gpu_memory_gb": args.gpu_memory_gb},
         "predictions": predictions,
     }
 
@@ -239,6 +301,25 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--draft-horizon", type=int, default=None,
                         help="steps a bubble drafts ahead (spec.draft_horizon; default: the "
                              "calibrated job's, or --config's)")
+    parser.add_argument("--layouts", type=_layouts, default=None,
+                        help="comma-separated rollout layouts of --config to simulate: "
+                        "one-per-replica (one engine per replica at rollout TP = TP, on the first "
+                        "stage) | every-gpu (engines on every GPU, at each rollout TP that divides "
+                        "TP x CP, or --rollout-tp)")
+    parser.add_argument("--rollout-tp", type=_ints, default=None,
+                        help="rollout TPs of the every-gpu layout, comma-separated (default: "
+                        "every divisor of TP x CP that vLLM can split the model's heads over)")
+    parser.add_argument("--gpu-memory-gb", type=float, default=None,
+                        help="memory of one GPU in GB (1e9 bytes), for the KV cache arithmetic")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="share of a GPU each engine takes (default: the config's "
+                        "rollout.gpu_memory_utilization)")
+    parser.add_argument("--engine-overhead-gb", type=float, default=None,
+                        help="engine memory per GPU besides weights and KV cache (default: 3 GB "
+                        "for Qwen2.5-7B, 4 GB otherwise: the configs' estimates)")
+    parser.add_argument("--tp-alpha", type=float, default=None,
+                        help="an engine of r GPUs takes (r0 / r) ^ alpha of the measured rollout "
+                        "TP r0's time (default 1: ideal scaling; not measured)")
     parser.add_argument("--samples-per-rank", type=int, default=None)
     parser.add_argument("--prompt-len", type=int, default=None,
                         help="prompt tokens (default: measured from the bench config's task)")
@@ -260,6 +341,9 @@ def cmd_simulate(args) -> int:
     if args.accept_prob is not None and not 0.0 <= args.accept_prob <= 1.0:
         print(f"bubblespec simulate: --accept-prob {args.accept_prob} is not in [0, 1]",
               file=sys.stderr)
+        return 2
+    if args.tp_alpha is not None and args.tp_alpha < 0:
+        print(f"bubblespec simulate: --tp-alpha {args.tp_alpha} is negative", file=sys.stderr)
         return 2
     try:
         result = run_simulation(args)

@@ -1,29 +1,42 @@
 """Setting + costs + lengths + acceptance -> paired on/off synchronous steps -> bench-style ratios.
 
-The model of one synchronous step over ``R`` data-parallel ranks, each owning ``B`` samples, run
-twice on the same response lengths (BubbleSpec off and on, as ``bubblespec bench`` does):
+The model of one synchronous step over ``R`` data-parallel ranks (model replicas), each owning
+``B`` samples, run twice on the same response lengths (BubbleSpec off and on, as ``bubblespec
+bench`` does):
 
 * lengths: every sample's response length ``n`` (tokens, EOS included) is drawn from a
   ``LengthModel``, capped at the response budget; the on and off runs see the same lengths, since
   BubbleSpec is exact (same tokens);
-* rollout of a rank = continuous batching from one prefill: all its samples start together, sample
-  ``i`` needs ``m_i`` decode steps, the decode step ``j`` costs ``t(live_j, kv_j)`` with ``live_j``
-  the sequences still decoding and ``kv_j`` their summed KV length (see ``EngineCosts``); the rank
-  is done when its longest sample is;
-* rank speed: with ``Setting.jitter`` = s > 0 every rank's rollout time in every step (and run) is
-  multiplied by ``exp(s * Z - s^2 / 2)``, ``Z`` standard normal: the rank-to-rank timing noise
-  that is not explained by lengths (shared machines, thermal limits, slow nodes);
-* barrier: the step waits for the slowest rank; a rank's bubble is its idle time there (from its
-  arrival until it sees the barrier close, so a drafting rank's overshoot counts) and the step's
-  bubble ratio is ``sum idle / (R * slowest rollout time)`` (the bench's ``bubble/ratio``);
-* BubbleSpec on: idle ranks draft the next step's samples (``sim.drafting``), with
+* engines: each replica hosts ``E`` = ``Setting.engines_per_replica`` rollout engines of
+  ``Setting.engine_tp`` GPUs each (``sim.layout``); engine ``e`` of a replica rolls out its samples
+  ``e, e + E, ...`` (round-robin, as ``loop.layout`` splits them); the ``R x E`` engines are the
+  ranks of everything below (arrival, bubble, drafting);
+* engine speed with its TP: an engine of ``r`` GPUs runs every step, prefill and decode, in the
+  measured engine's time (rollout TP ``r0`` = ``StepCosts.engine_tp``) x ``(r0 / r) ^ alpha``,
+  ``alpha`` = ``Setting.tp_alpha`` (1: weights and KV heads split ``r`` ways and nothing lost to
+  the all-reduces; an assumption, no TP > 1 engine has been measured);
+* rollout of an engine = continuous batching: sample ``i`` needs ``m_i`` decode steps, the decode
+  step ``j`` costs ``t(live_j, kv_j)`` with ``live_j`` the sequences decoding and ``kv_j`` their
+  summed KV length (see ``EngineCosts``); with ``Setting.kv_slots`` = C (the sequences of
+  ``max_model_len`` its KV cache holds, ``sim.memory``) at most C run at once, in submission order,
+  the next one starting in the engine step where one finishes (``makespan_steps``): an engine
+  with S > C sequences runs in waves; the engine is done when its last sample is;
+* timing noise: with ``Setting.jitter`` = s > 0 every engine's rollout time in every step (and
+  run) is multiplied by ``exp(s * Z - s^2 / 2)``, ``Z`` standard normal: the timing noise that is
+  not explained by lengths (shared machines, thermal limits, slow nodes);
+* barrier: the step waits for the slowest engine; an engine's bubble is its idle time there (from
+  its arrival until it sees the barrier close, so a drafting engine's overshoot counts) and the
+  step's bubble ratio is ``sum idle / (R x E x slowest rollout time)`` (the bench's
+  ``bubble/ratio``);
+* BubbleSpec on: idle engines draft the next step's samples (``sim.drafting``, at most
+  ``min(spec.draft_in_flight, C)`` drafts in flight), with
   ``draft_horizon`` H > 1 those of the H - 1 steps after it too, continuing the drafts an earlier
   bubble left short (``_draft_ahead``); at the step a
   sample with a draft of ``d`` tokens keeps an accepted prefix ``a = min(G, d)`` with ``G``
   geometric (every draft token is accepted with probability ``accept_prob``, independently), plus
   the verifier's correction (or bonus) token, so its rollout starts from ``min(a + 1, n)`` known
   tokens and needs ``max(n - a - 2, 0)`` decode steps instead of ``n - 1``; a rank with drafts first
-  pays a verify forward (``StepCosts.verify``);
+  pays a verify forward (``StepCosts.verify``) in the training layout, before its engines start;
 * speculative continuation (``continuation_k`` > 0): a sample with a draft gets proposals from
   its prompt's drafts; a decode step yields ``1 + g`` tokens on average, with ``g`` the accepted
   proposal tokens per decode step measured by the bench: ``continuation_gain_past`` on the
@@ -37,9 +50,11 @@ twice on the same response lengths (BubbleSpec off and on, as ``bubblespec bench
 Not modelled: continuation on samples without a draft of their own but with drafted siblings,
 proposals' dependence on what the drafts contain (one measured gain per decode step), the higher
 cost of a k-token verify step over a plain decode step (a CPU cost), chunked prefill, prefill cost
-growing with the square of the prompt, preemption or KV-cache limits, the all-gather of drafts, and
-any dependence of acceptance on policy drift beyond one per-token probability. Rank timing noise is
-one lognormal factor per rank and step, independent of the rest.
+growing with the square of the prompt, vLLM admitting more than C sequences while they are short
+and preempting (recomputing) some when the cache fills (the slots reserve full length), the cost
+of verification and training on a replica of several GPUs (both as calibrated), the all-gather of
+drafts, and any dependence of acceptance on policy drift beyond one per-token probability. Timing
+noise is one lognormal factor per engine and step, independent of the rest.
 """
 
 from __future__ import annotations
@@ -55,7 +70,7 @@ from megatron_bubblespec.sim.drafting import draft_in_bubble
 
 @dataclass(frozen=True)
 class EngineCosts:
-    """One rollout engine (one DP rank), in seconds.
+    """One rollout engine, in seconds.
 
     decode step with ``live`` sequences holding ``kv`` KV entries in all:
     ``step_s + seq_s * live + kv_token_s * kv``; prefill of ``tokens`` prompt tokens:
@@ -79,32 +94,53 @@ class EngineCosts:
         return EngineCosts(*(factor * x for x in (self.step_s, self.seq_s, self.kv_token_s,
                                                   self.prefill_s, self.prefill_token_s)))
 
-    def rollout(self, decode_steps: np.ndarray, known: np.ndarray, prompt_len: int) -> np.ndarray:
-        """Rollout time per rank from per-sample decode steps and known response prefixes.
+    def rollout(self, decode_steps: np.ndarray, known: np.ndarray, prompt_len: int,
+                slots: int | None = None) -> np.ndarray:
+        """Rollout time per engine from per-sample decode steps and known response prefixes.
 
-        ``decode_steps`` and ``known`` are (ranks, samples); a sample with ``known`` tokens (its
+        ``decode_steps`` and ``known`` are (engines, samples); a sample with ``known`` tokens (its
         accepted prefix) and ``m`` decode steps left is prefilled with ``prompt_len + known``
         tokens unless it is already complete (``m == 0`` and ``known > 0``). The decode-step sum is
-        exact for the linear step cost: ``sum_j step_s = step_s * max m``, ``sum_j seq_s * live_j =
-        seq_s * sum m``, and sample ``i`` holds ``prompt_len + known_i + j`` KV entries at its
-        ``j``-th decode step.
+        exact for the linear step cost: ``sum_j step_s = step_s * makespan_steps(m, slots)`` (the
+        engine steps, ``max m`` when every sample fits at once), ``sum_j seq_s * live_j = seq_s *
+        sum m``, and sample ``i`` holds ``prompt_len + known_i + j`` KV entries at its ``j``-th
+        decode step whenever it runs. So waves cost only the per-step term.
         """
         m = decode_steps.astype(float)
         k = known.astype(float)
         pending = (m > 0) | (k == 0)
         prefill = self.prefill(np.where(pending, prompt_len + k, 0.0).sum(axis=-1))
         kv = (m * (prompt_len + k) + m * (m + 1) / 2).sum(axis=-1)
-        return (prefill + self.step_s * m.max(axis=-1, initial=0.0)
+        return (prefill + self.step_s * makespan_steps(m, slots)
                 + self.seq_s * m.sum(axis=-1) + self.kv_token_s * kv)
+
+
+def makespan_steps(decode_steps: np.ndarray, slots: int | None = None) -> np.ndarray:
+    """Engine steps per engine to decode (engines, samples) ``decode_steps`` with at most ``slots``
+    sequences at once (None: no limit): samples start in order, each in the first slot to free
+    up (list scheduling), so with ``S`` equal samples of ``m`` steps it is ``ceil(S / slots) x
+    m``."""
+    m = np.asarray(decode_steps, dtype=float)
+    if m.shape[-1] == 0:
+        return np.zeros(m.shape[:-1])
+    if slots is None or slots >= m.shape[-1]:
+        return m.max(axis=-1)
+    free = np.zeros(m.shape[:-1] + (slots,))
+    rows = np.arange(len(free))
+    for i in range(m.shape[-1]):
+        first = free.argmin(axis=-1)
+        free[rows, first] += m[:, i]
+    return free.max(axis=-1)
 
 
 @dataclass(frozen=True)
 class StepCosts:
     """Everything a step costs besides the rollout engine, in seconds.
 
-    verify on a rank with drafts: ``verify_s + verify_token_s * (prompt + draft tokens)`` of its
-    drafted samples; train: ``train_token_s`` per token (prompt + response) of the rank with the
-    most tokens; reshard: ``reshard_s`` per step.
+    verify on a replica with drafts: ``verify_s + verify_token_s * (prompt + draft tokens)`` of its
+    drafted samples; train: ``train_token_s`` per token (prompt + response) of the replica with
+    the most tokens; reshard: ``reshard_s`` per step. ``engine`` is an engine of ``engine_tp``
+    GPUs (the measured one's rollout TP).
     """
 
     engine: EngineCosts
@@ -112,6 +148,7 @@ class StepCosts:
     verify_token_s: float = 0.0
     train_token_s: float = 0.0
     reshard_s: float = 0.0
+    engine_tp: int = 1
 
 
 @dataclass(frozen=True)
@@ -171,7 +208,8 @@ class LengthModel:
 
 @dataclass(frozen=True)
 class Setting:
-    """The shape of the simulated job."""
+    """The shape of the simulated job: ``ranks`` DP ranks (model replicas) of ``samples_per_rank``
+    samples, each replica hosting ``engines_per_replica`` engines of ``engine_tp`` GPUs."""
 
     ranks: int
     samples_per_rank: int
@@ -190,12 +228,23 @@ class Setting:
     # re-aligned with the draft and agreeing with probability accept_prob, the optimistic case)
     continuation_gain_past: float = 0.0
     continuation_gain_diverged: float | None = None
+    engines_per_replica: int = 1
+    engine_tp: int = 1                # GPUs per engine (rollout.tensor_parallel)
+    tp_alpha: float = 1.0             # engine time ~ engine_tp ^ -alpha (see the module docstring)
+    kv_slots: int | None = None       # full-length sequences an engine's KV cache holds (None: any)
 
     def __post_init__(self):
         for name in ("ranks", "samples_per_rank", "max_new_tokens", "draft_concurrency",
-                     "draft_chunk", "draft_horizon"):
+                     "draft_chunk", "draft_horizon", "engines_per_replica", "engine_tp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"setting {name} must be >= 1, got {getattr(self, name)}")
+        if self.samples_per_rank % self.engines_per_replica:
+            raise ValueError(f"{self.samples_per_rank} samples per replica do not split evenly "
+                             f"over {self.engines_per_replica} engines")
+        if self.kv_slots is not None and self.kv_slots < 1:
+            raise ValueError(f"kv_slots must be >= 1 or None, got {self.kv_slots}")
+        if self.tp_alpha < 0:
+            raise ValueError(f"tp_alpha must be >= 0, got {self.tp_alpha}")
         if self.continuation_k < 0:
             raise ValueError(f"continuation_k must be >= 0, got {self.continuation_k}")
         for name in ("continuation_gain_past", "continuation_gain_diverged"):
@@ -212,17 +261,18 @@ class Setting:
 class StepTrace:
     """Per-step sums of both runs (arrays over steps)."""
 
-    rollout_off: list = field(default_factory=list)      # slowest rank's rollout time
+    rollout_off: list = field(default_factory=list)      # slowest engine's rollout time
     rollout_on: list = field(default_factory=list)
-    idle_off: list = field(default_factory=list)         # rank-seconds
+    engine_tokens: list = field(default_factory=list)    # most KV tokens an engine's samples end at
+    idle_off: list = field(default_factory=list)         # engine-seconds
     idle_on: list = field(default_factory=list)
-    verify_on: list = field(default_factory=list)        # slowest rank's verify time
-    drafting_on: list = field(default_factory=list)      # rank-seconds
+    verify_on: list = field(default_factory=list)        # slowest replica's verify time
+    drafting_on: list = field(default_factory=list)      # engine-seconds
     step_off: list = field(default_factory=list)         # barrier + overshoot + train + reshard
     step_on: list = field(default_factory=list)
     decode_off: list = field(default_factory=list)       # per-sample decode steps, summed
     decode_on: list = field(default_factory=list)
-    engine_off: list = field(default_factory=list)       # slowest rank's engine steps
+    engine_off: list = field(default_factory=list)       # slowest engine's engine steps
     engine_on: list = field(default_factory=list)
     response_tokens: list = field(default_factory=list)
     drafted_samples: list = field(default_factory=list)
@@ -235,9 +285,9 @@ def _ratio(num: float, den: float) -> float:
     return num / den if den else math.nan
 
 
-def summarize(trace: StepTrace, ranks: int) -> dict:
-    """The bench's numbers (``loop.bench.compare``) from a trace: cost ratios over steps >= 1,
-    bubble and draft numbers over all steps."""
+def summarize(trace: StepTrace, engines: int) -> dict:
+    """The bench's numbers (``loop.bench.compare``) from a trace of ``engines`` engines: cost
+    ratios over steps >= 1, bubble and draft numbers over all steps."""
     t = {k: np.asarray(v, dtype=float) for k, v in vars(trace).items()}
     s1 = slice(1, None)
     roll_on, roll_off = t["rollout_on"][s1].sum(), t["rollout_off"][s1].sum()
@@ -245,9 +295,9 @@ def summarize(trace: StepTrace, ranks: int) -> dict:
     drafted = t["drafted_samples"].sum()
     return {
         "steps": len(trace.rollout_off),
-        "ranks": ranks,
-        "bubble_ratio_off": _ratio(t["idle_off"].sum(), ranks * t["rollout_off"].sum()),
-        "bubble_ratio_on": _ratio(t["idle_on"].sum(), ranks * t["rollout_on"].sum()),
+        "engines": engines,
+        "bubble_ratio_off": _ratio(t["idle_off"].sum(), engines * t["rollout_off"].sum()),
+        "bubble_ratio_on": _ratio(t["idle_on"].sum(), engines * t["rollout_on"].sum()),
         "bubble_utilization": _ratio(t["drafting_on"].sum(), t["idle_on"].sum()),
         "decode_steps_ratio": _ratio(t["decode_on"][s1].sum(), t["decode_off"][s1].sum()),
         "engine_steps_ratio": _ratio(t["engine_on"][s1].sum(), t["engine_off"][s1].sum()),
@@ -261,6 +311,8 @@ def summarize(trace: StepTrace, ranks: int) -> dict:
         "drafted_tokens": float(t["drafted_tokens"].sum()),
         "accepted_tokens": float(t["accepted_tokens"].sum()),
         "rollout_time_off_s": float(t["rollout_off"].mean()),
+        "rollout_time_on_s": float(t["rollout_on"].mean()),
+        "engine_tokens_max": float(t["engine_tokens"].mean()),
         "step_time_off_s": float(t["step_off"].mean()),
     }
 
@@ -311,8 +363,8 @@ def _draft_ahead(setting: Setting, engine, pending: dict[int, np.ndarray], all_l
     """Step ``step``'s bubble drafts steps step+1 .. step+H (``Setting.draft_horizon``): every
     sample whose draft is still short of its length (the response under the current policy, cut
     at the budget) continues from where an earlier bubble left it, next step first. Updates
-    ``pending``; returns drafting and overshoot seconds per rank. A draft's age does not change
-    its acceptance here (one ``accept_prob`` for all)."""
+    ``pending``; returns drafting and overshoot seconds per engine (``arrive`` is per engine).
+    A draft's age does not change its acceptance here (one ``accept_prob`` for all)."""
     targets = [s for s in range(step + 1, step + 1 + setting.draft_horizon)
                if s < len(all_lengths)]
     if not targets:
@@ -322,12 +374,26 @@ def _draft_ahead(setting: Setting, engine, pending: dict[int, np.ndarray], all_l
                            for s in targets])
     full = np.concatenate([np.minimum(all_lengths[s], budget).reshape(-1) for s in targets])
     todo = np.flatnonzero(done < full)
+    concurrency = min(setting.draft_concurrency, setting.kv_slots or setting.draft_concurrency)
     outcome = draft_in_bubble(arrive, full[todo] - done[todo], engine, setting.prompt_len,
-                              concurrency=setting.draft_concurrency, chunk=setting.draft_chunk)
+                              concurrency=concurrency, chunk=setting.draft_chunk)
     done[todo] += outcome.tokens
     for s, drafted in zip(targets, done.reshape(len(targets), *shape)):
         pending[s] = drafted
     return outcome.drafting_s, outcome.overshoot_s
+
+
+def engine_costs(setting: Setting, costs: StepCosts) -> EngineCosts:
+    """The measured engine's costs at the setting's rollout TP: x ``(r0 / r) ^ alpha``."""
+    return costs.engine.scaled((costs.engine_tp / setting.engine_tp) ** setting.tp_alpha)
+
+
+def per_engine(x: np.ndarray, engines: int) -> np.ndarray:
+    """(replicas, samples) -> (replicas x engines, samples / engines): engine ``e`` of a replica
+    takes its samples ``e, e + engines, ...``, engines in replica order."""
+    replicas, samples = x.shape
+    return x.reshape(replicas, samples // engines, engines).transpose(0, 2, 1).reshape(
+        replicas * engines, samples // engines)
 
 
 def simulate(setting: Setting, costs: StepCosts, lengths: LengthModel | None = None, *,
@@ -348,15 +414,17 @@ def simulate(setting: Setting, costs: StepCosts, lengths: LengthModel | None = N
         if lengths is None:
             raise ValueError("simulate needs a length model or measured lengths")
         all_lengths = lengths.sample(rng, (steps, R, B), setting.max_new_tokens)
-    engine = costs.engine
+    E, C = setting.engines_per_replica, setting.kv_slots
+    engine = engine_costs(setting, costs)
     budget = min(setting.max_draft_tokens, setting.max_new_tokens)
     drafting = setting.spec and budget > 0
     trace = StepTrace()
     pending: dict[int, np.ndarray] = {}     # step -> (R, B) drafted tokens of its samples so far
     for step, n in enumerate(all_lengths):
         # BubbleSpec off: every token decoded
-        none = np.zeros_like(n)
-        roll_off = engine.rollout(n - 1, none, P) * _speed(rng, R, setting.jitter)
+        n_e = per_engine(n, E)
+        none = np.zeros_like(n_e)
+        roll_off = engine.rollout(n_e - 1, none, P, C) * _speed(rng, R * E, setting.jitter)
         t_off = roll_off.max()
         train = costs.train_token_s * (n + P).sum(axis=-1).max()
         # BubbleSpec on: verify the drafts made in earlier bubbles, then roll out
@@ -369,29 +437,32 @@ def simulate(setting: Setting, costs: StepCosts, lengths: LengthModel | None = N
             decode_on = continued_decode_steps(setting, decode_on, verified, known, n)
         verify = np.where((verified > 0).any(axis=-1), costs.verify_s + costs.verify_token_s
                           * np.where(verified > 0, P + verified, 0).sum(axis=-1), 0.0)
-        roll_on = engine.rollout(decode_on, known, P) * _speed(rng, R, setting.jitter)
-        arrive = verify + roll_on
+        decode_e = per_engine(decode_on, E)
+        roll_on = (engine.rollout(decode_e, per_engine(known, E), P, C)
+                   * _speed(rng, R * E, setting.jitter))
+        arrive = np.repeat(verify, E) + roll_on
         close = arrive.max()
-        drafting_s = overshoot = np.zeros(R)
+        drafting_s = overshoot = np.zeros(R * E)
         if drafting:
             drafting_s, overshoot = _draft_ahead(setting, engine, pending, all_lengths, step,
                                                  arrive, budget)
         trace.rollout_off.append(t_off)
         trace.rollout_on.append(roll_on.max())
+        trace.engine_tokens.append((n_e + P).sum(axis=-1).max())
         trace.idle_off.append((t_off - roll_off).sum())
-        trace.idle_on.append((close - arrive + overshoot).sum())   # idle as a rank observes it
+        trace.idle_on.append((close - arrive + overshoot).sum())   # idle as an engine sees it
         trace.verify_on.append(verify.max())
         trace.drafting_on.append(drafting_s.sum())
         trace.step_off.append(t_off + train + costs.reshard_s)
         trace.step_on.append(close + overshoot.max() + train + costs.reshard_s)
         trace.decode_off.append((n - 1).sum())
         trace.decode_on.append(decode_on.sum())
-        trace.engine_off.append((n - 1).max() + 1)
-        trace.engine_on.append(decode_on.max() + 1)
+        trace.engine_off.append(makespan_steps(n_e - 1, C).max() + 1)
+        trace.engine_on.append(makespan_steps(decode_e, C).max() + 1)
         trace.response_tokens.append(n.sum())
         trace.continuation_tokens.append((plain_on - decode_on).sum())
         trace.drafted_samples.append((verified > 0).sum())
         trace.drafted_tokens.append(verified.sum())
         trace.accepted_tokens.append(accepted.sum())
-    return {**summarize(trace, R), "trace": {k: [float(x) for x in v]
-                                              for k, v in vars(trace).items()}}
+    return {**summarize(trace, R * E), "trace": {k: [float(x) for x in v]
+                                                  for k, v in vars(trace).items()}}

@@ -40,6 +40,20 @@ PREDICTION_COLUMNS = (
     ("step x", "step_speedup", number),
     ("accept", "accept_rate", percent),
 )
+# Columns of a prediction made per rollout layout (``--layouts``): before and after the above.
+LAYOUT_COLUMNS = (
+    ("layout", "layout", str),
+    ("rollout TP", "engine_tp", str),
+    ("engines / replica", "engines_per_replica", str),
+    ("seqs / engine", "samples_per_engine", str),
+    ("KV slots", "kv_slots", str),
+    ("waves", "waves", str),
+)
+KV_COLUMN = ("KV demand", "kv_demand", percent)
+TIME_COLUMNS = (
+    ("rollout s off", "rollout_time_off_s", lambda x: f"{x:,.0f}"),
+    ("rollout s on", "rollout_time_on_s", lambda x: f"{x:,.0f}"),
+)
 
 
 def _f(fmt, x) -> str:
@@ -74,9 +88,14 @@ def check_table(check: Mapping) -> tuple[list[str], list[list[str]]]:
 
 
 def prediction_table(predictions: Sequence[Mapping]) -> tuple[list[str], list[list[str]]]:
-    header = ["ranks", "context"] + [h for h, _, _ in PREDICTION_COLUMNS]
-    rows = [[str(p["ranks"]), _context(p["context"])]
-            + [_f(fmt, p[key]) for _, key, fmt in PREDICTION_COLUMNS] for p in predictions]
+    layouts = any("layout" in p for p in predictions)
+    before = LAYOUT_COLUMNS if layouts else ()
+    after = (KV_COLUMN, *TIME_COLUMNS) if layouts else ()
+    header = ([h for h, _, _ in before] + ["ranks", "context"]
+              + [h for h, _, _ in PREDICTION_COLUMNS + after])
+    rows = [[fmt(p[key]) for _, key, fmt in before] + [str(p["ranks"]), _context(p["context"])]
+            + [_f(fmt, p[key]) for _, key, fmt in PREDICTION_COLUMNS + after]
+            for p in predictions]
     return header, rows
 
 
@@ -104,6 +123,14 @@ PREDICTION_CAPTION = ("bubble: idle share of rank rollout time; coverage: drafte
                       "on/off exact verification allows with these drafts; rollout x: off / on "
                       "rollout time; +verify x: including the verify forward; step x: whole step "
                       "(train, reshard, overshoot)")
+LAYOUT_CAPTION = ("layout: one-per-replica = one engine per replica at rollout TP = TP on the "
+                  "first stage, every-gpu = TP x PP x CP / r engines per replica; KV slots: "
+                  "sequences of max_model_len an engine's KV cache holds, at most that many run "
+                  "at once; waves: ceil(seqs / slots); KV demand: the KV tokens the busiest "
+                  "engine's sequences end at, over the tokens its cache holds (below 100 %, vLLM "
+                  "would hold them all at once: the waves are the slots' worst case); bubble and "
+                  "coverage count engines; rollout s: the slowest engine's rollout (no verify), "
+                  "mean over the steps, in the calibrated engine's costs")
 
 
 def describe(result: Mapping) -> list[str]:
@@ -127,7 +154,34 @@ def describe(result: Mapping) -> list[str]:
            if s['continuation_k'] else "no continuation"),
         f"lengths: {grid['lengths']}",
         f"{grid['steps']} steps x {grid['seeds']} seeds per point; cost ratios over steps >= 1",
+        *_layout_lines(result),
     ]
+
+
+def _layout_lines(result: Mapping) -> list[str]:
+    """The KV arithmetic of each simulated layout, and the layouts left out."""
+    grid = result["grid"]
+    if not grid.get("layouts"):
+        return []
+    r0, alpha = result["calibration"]["costs"]["engine_tp"], grid["setting"]["tp_alpha"]
+    lines = [f"layouts of `{grid['model']}` on {grid['gpu_memory_gb']:g} GB GPUs; an engine of "
+             f"r GPUs runs in the measured engine's time x ({r0} / r)^{alpha:g} (an assumed TP "
+             "scaling, not measured)"]
+    for layout in grid["layouts"]:
+        c = layout["capacity"]
+        lines.append(
+            f"{layout['name']}, rollout TP {layout['engine_tp']}, {layout['engines_per_replica']} "
+            f"engines per replica: {c['engine_bytes'] / 1e9:.1f} GB per GPU - weights "
+            f"{c['weight_bytes'] / 1e9:.2f} - overhead {c['overhead_bytes'] / 1e9:.1f} = KV "
+            f"{c['kv_bytes'] / 1e9:.2f} GB at {c['kv_bytes_per_token']:,.0f} B a token = "
+            f"{c['tokens']:,} tokens = {layout['kv_slots']} sequences of {c['max_model_len']:,}")
+    return lines + list(grid["layout_notes"])
+
+
+def _caption(result: Mapping) -> str:
+    if result["grid"].get("layouts"):
+        return PREDICTION_CAPTION + "; " + LAYOUT_CAPTION
+    return PREDICTION_CAPTION
 
 
 def print_result(result: Mapping, console: Console | None = None) -> None:
@@ -138,7 +192,7 @@ def print_result(result: Mapping, console: Console | None = None) -> None:
     console.print(_rich_table("Calibration check: simulator at the measured setting vs the bench",
                               *check_table(result["check"]), CHECK_CAPTION))
     console.print(_rich_table("Predicted BubbleSpec effect (simulated)",
-                              *prediction_table(result["predictions"]), PREDICTION_CAPTION))
+                              *prediction_table(result["predictions"]), _caption(result)))
     for line in describe(result):
         console.print(f"[dim]{line}[/dim]")
 
@@ -149,14 +203,24 @@ def markdown(result: Mapping) -> str:
         *[f"- {line}" for line in describe(result)], "",
         "## Calibration check", "", CHECK_CAPTION + ".", "",
         _markdown_table(*check_table(result["check"])), "",
-        "## Predictions", "", PREDICTION_CAPTION + ".", "",
+        "## Predictions", "", _caption(result) + ".", "",
         _markdown_table(*prediction_table(result["predictions"])), "",
     ])
 
 
+def _line(p: Mapping) -> tuple:
+    return (p["context"], p.get("layout", ""), p.get("engine_tp", 0))
+
+
+def _line_label(line: tuple) -> str:
+    context, layout, tp = line
+    return f"{_context(context)} context" + (f", {layout} TP {tp}" if layout else "")
+
+
 def plot(result: Mapping, path: Path) -> None:
-    """Three panels against DP ranks, one line per context: bubble off, decode steps ratio (with
-    its ceiling dashed, where the rows carry it), rollout speedup with verify."""
+    """Three panels against DP ranks, one line per context (and rollout layout): bubble off,
+    decode steps ratio (with its ceiling dashed, where the rows carry it), rollout speedup with
+    verify."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import PercentFormatter
@@ -169,15 +233,15 @@ def plot(result: Mapping, path: Path) -> None:
               ("rollout speedup incl. verify", "throughput_ratio_with_verify"))
     for i, (title, key) in enumerate(panels):
         ax = fig.add_subplot(1, 3, i + 1)
-        for context in sorted({p["context"] for p in predictions}):
-            points = sorted((p["ranks"], p[key]) for p in predictions if p["context"] == context)
+        for line_key in sorted({_line(p) for p in predictions}):
+            mine = [p for p in predictions if _line(p) == line_key]
+            points = sorted((p["ranks"], p[key]) for p in mine)
             line, = ax.plot([r for r, _ in points],
                             [v if v is not None else math.nan for _, v in points],
-                            marker="o", label=f"{_context(context)} context")
+                            marker="o", label=_line_label(line_key))
             if key == "decode_steps_ratio" and all("decode_steps_ratio_ceiling" in p
                                                    for p in predictions):
-                ceiling = sorted((p["ranks"], p["decode_steps_ratio_ceiling"])
-                                 for p in predictions if p["context"] == context)
+                ceiling = sorted((p["ranks"], p["decode_steps_ratio_ceiling"]) for p in mine)
                 ax.plot([r for r, _ in ceiling], [v for _, v in ceiling], linestyle="--",
                         color=line.get_color(), alpha=0.7)
         ax.set_xscale("log", base=2)
