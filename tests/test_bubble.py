@@ -88,7 +88,7 @@ def test_drafts_are_prefixes_of_the_plain_generation(tiny):
 def test_a_rank_that_never_arrives_times_out_with_a_clear_message(tiny):
     results = launch_local(_barrier_worker, 2, tiny, [0.0, None], 1.5)
     message = results[0][2]
-    assert message is not None and "only 1 of 2 data-parallel ranks" in message and "step 7" in message
+    assert message is not None and "only 1 of 2 rollout engines" in message and "step 7" in message
 
 
 def test_the_cursor_hands_out_samples_in_the_given_order(tiny):

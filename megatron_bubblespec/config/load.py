@@ -107,6 +107,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("parallel.sequence_parallel=true splits sequences over the tensor-"
                           "parallel group: it needs parallel.tensor > 1")
     _check_rollout_tensor_parallel(cfg)
+    _check_gpu_memory_switches(cfg)
     if cfg.rollout.prompts_per_step % p.data:
         raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible "
                           f"by parallel.data={p.data} (each DP rank gets whole prompt groups)")
@@ -157,18 +158,37 @@ def _cuda() -> bool:
 
 
 def _check_rollout_tensor_parallel(cfg: Config) -> None:
-    """rollout.tensor_parallel: 1 (one engine per model replica, on its first rank) or
-    parallel.tensor (the replica's vLLM engine spans its Megatron TP group, one shard per rank)."""
-    tp, rollout_tp = cfg.parallel.tensor, cfg.rollout.tensor_parallel
-    allowed = sorted({1, tp})
+    """rollout.tensor_parallel r: the ranks of one rollout engine, r consecutive ranks of a model
+    replica (every rank is in one engine: TP x PP x CP / r engines per replica). They are
+    consecutive inside one replica when r divides parallel.tensor x parallel.context."""
+    p, rollout_tp = cfg.parallel, cfg.rollout.tensor_parallel
+    span = p.tensor * p.context
+    allowed = [d for d in range(1, span + 1) if span % d == 0]
     if rollout_tp not in allowed:
-        raise ConfigError(f"rollout.tensor_parallel={rollout_tp} is not allowed; choose one of "
-                          f"{allowed}: 1 (one engine per model replica) or parallel.tensor={tp} "
-                          "(the replica's engine spans its tensor-parallel group)")
+        raise ConfigError(
+            f"rollout.tensor_parallel={rollout_tp} is not allowed; choose one of {allowed}, the "
+            f"divisors of parallel.tensor x parallel.context = {p.tensor} x {p.context}: an "
+            f"engine spans that many consecutive ranks of a model replica, and each replica "
+            f"then hosts {p.tensor} x {p.pipeline} x {p.context} / rollout.tensor_parallel "
+            "engines")
     if rollout_tp > 1 and cfg.rollout.engine != "vllm":
         raise ConfigError(f"rollout.tensor_parallel={rollout_tp} needs rollout.engine=vllm (the "
                           f"reference engine runs on one rank); use rollout.tensor_parallel=1 "
                           "or rollout.engine=vllm")
+
+
+def _check_gpu_memory_switches(cfg: Config) -> None:
+    """rollout.sleep_during_train and train.offload_during_rollout free GPU memory: CUDA only."""
+    asked = [key for key, on in (("rollout.sleep_during_train", cfg.rollout.sleep_during_train),
+                                 ("train.offload_during_rollout", cfg.train.offload_during_rollout))
+             if on]
+    if asked and not _cuda():
+        raise ConfigError(f"{' and '.join(asked)} free GPU memory between the rollout and the "
+                          "training phases and need CUDA (vLLM's sleep mode, Megatron's optimizer "
+                          "offload); this machine has no GPU: set them to false")
+    if cfg.rollout.sleep_during_train and cfg.rollout.engine != "vllm":
+        raise ConfigError("rollout.sleep_during_train uses vLLM's sleep mode: it needs "
+                          "rollout.engine=vllm")
 
 
 def _check_data(cfg: Config) -> None:

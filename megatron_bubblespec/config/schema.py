@@ -23,6 +23,7 @@ class RunConfig:
     keep_checkpoints: int = 2       # complete checkpoints kept (older ones are deleted)
     stall_timeout_s: float = 1800.0 # no-progress watchdog: abort when no stage ends for this long (0 = off)
     signal_grace_s: float = 30.0    # after SIGTERM/SIGINT, a rank stuck this long exits, naming its stage
+    checkpoint_grace_s: float = 300.0  # after SIGTERM/SIGINT, the most a rank making progress may take to finish its step and checkpoint
 
 
 @dataclass
@@ -57,9 +58,11 @@ class RolloutConfig:
     samples_per_prompt: int = 4
     prompts_per_step: int = 4       # global, over all DP ranks
     kv_cache_mb: int = 256          # CPU: KV cache size; GPU: see gpu_memory_utilization
-    tensor_parallel: int = 1        # 1 (one engine per replica) or parallel.tensor (engine spans the TP group; vLLM)
+    tensor_parallel: int = 1        # ranks per engine, a divisor of TP x CP; every rank is in one engine
     gpu_memory_utilization: float = 0.5  # fraction of a GPU vLLM may take (GPU)
     max_num_batched_tokens: int = 8192   # vLLM chunked-prefill budget per engine step (GPU)
+    sleep_during_train: bool = False     # vLLM sleep mode while Megatron trains and reshards (GPU)
+    sleep_level: int = 1            # 1: KV cache freed, weights to host; 2: weights freed too
 
 
 @dataclass
@@ -92,6 +95,7 @@ class TrainConfig:
     normalize_advantage_std: bool = True
     use_distributed_optimizer: bool = False
     recompute_activations: bool = False  # full per-layer activation recompute (long contexts)
+    offload_during_rollout: bool = False  # optimizer state + gradient buffers on the host while engines generate (GPU)
 
 
 @dataclass
@@ -159,6 +163,7 @@ BOUNDS = {
     "model.max_model_len": (lambda v: v >= 16, ">= 16"),
     "parallel.context": (lambda v: v >= 1, ">= 1"),
     "rollout.tensor_parallel": (lambda v: v >= 1, ">= 1"),
+    "rollout.sleep_level": (lambda v: v in (1, 2), "1 or 2"),
     "rollout.gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "rollout.max_num_batched_tokens": (lambda v: v >= 16, ">= 16"),
     "spec.draft_lookahead": (lambda v: v >= 1, ">= 1"),
@@ -167,4 +172,5 @@ BOUNDS = {
     "run.keep_checkpoints": (lambda v: v >= 1, ">= 1"),
     "run.stall_timeout_s": (lambda v: v >= 0, ">= 0 (0 = off)"),
     "run.signal_grace_s": (lambda v: v > 0, "> 0"),
+    "run.checkpoint_grace_s": (lambda v: v > 0, "> 0"),
 }

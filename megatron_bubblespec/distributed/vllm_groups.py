@@ -9,13 +9,14 @@ deadlock against the ranks that are elsewhere (in Megatron's resharder, say). So
 and pipeline-parallel groups are then created collectively, and an engine built afterwards finds
 them ready (``ensure_model_parallel_initialized`` only checks their sizes) and creates none.
 
-Rollout tensor parallelism (``rollout_tp > 1``): vLLM's tensor-parallel groups are contiguous rank
-blocks ``[kT .. kT+T-1]``, which are exactly Megatron's TP groups in its default order (TP
-innermost); :func:`init_vllm_parallel_state` asserts it. The replica's first
-pipeline stage builds its engine with ``distributed_executor_backend="external_launcher"``, one
-shard per rank. That executor reduces the available KV-cache memory over vLLM's WORLD group, a
-collective the other pipeline stages never enter; :func:`patch_external_launcher` makes it
-reduce over the engine's own tensor-parallel group, the ranks that share the cache size.
+Rollout tensor parallelism (``rollout_tp`` = r > 1): vLLM's tensor-parallel groups are contiguous
+rank blocks ``[kr .. kr+r-1]``, which are exactly the rollout layout's engines (``loop.layout``: r
+consecutive ranks of a replica; inside one replica when r divides TP x CP in Megatron's default
+order, TP innermost); :func:`init_vllm_parallel_state` asserts it. Every engine is built with
+``distributed_executor_backend="external_launcher"``, one shard per rank. That executor reduces
+the available KV-cache memory over vLLM's WORLD group, a collective the other engines never enter
+at the same moment; :func:`patch_external_launcher` makes it reduce over the engine's own
+tensor-parallel group, the ranks that share the cache size.
 
 On CPU, vLLM's shared-memory communicator names its segments after ``VLLM_DIST_IDENT``; the
 default (from ``env://``) is the same for every job on a machine, so two concurrent jobs collided
@@ -52,11 +53,13 @@ def job_identifier(run_name: str) -> str:
     return f"bubblespec-{safe}-{port}"
 
 
-def init_vllm_parallel_state(rollout_tp: int, *, run_name: str = "bubblespec") -> None:
+def init_vllm_parallel_state(rollout_tp: int, engine_ranks=None, *,
+                             run_name: str = "bubblespec") -> None:
     """Create vLLM's world / TP / PP groups on every rank (collective; call once, on all ranks).
 
-    ``rollout_tp`` is the tensor parallelism of one rollout engine: 1 (one single-rank engine per
-    model replica) or Megatron's TP size (the engine spans the replica's TP group).
+    ``rollout_tp`` is the tensor parallelism of one rollout engine; ``engine_ranks`` the world
+    ranks of this rank's engine (``loop.layout.RolloutLayout.engine_ranks``), which must be vLLM's
+    tensor-parallel group.
     """
     from vllm.distributed import parallel_state as vllm_ps
 
@@ -73,15 +76,13 @@ def init_vllm_parallel_state(rollout_tp: int, *, run_name: str = "bubblespec") -
         vllm_ps.init_distributed_environment(world, rank, "env://", local_rank, backend)
         vllm_ps.initialize_model_parallel(rollout_tp, 1, backend=backend)
     if rollout_tp > 1:
-        from megatron.core import parallel_state as ps
-
-        megatron_tp = dist.get_process_group_ranks(ps.get_tensor_model_parallel_group())
         vllm_tp = vllm_ps.get_tp_group().ranks
-        if list(megatron_tp) != list(vllm_tp):
+        if engine_ranks is not None and list(engine_ranks) != list(vllm_tp):
             raise RuntimeError(
-                f"rank {rank}: vLLM's tensor-parallel group {vllm_tp} is not Megatron's "
-                f"{megatron_tp}; rollout.tensor_parallel > 1 needs Megatron's default rank order "
-                "(tensor parallelism innermost)")
+                f"rank {rank}: vLLM's tensor-parallel group {vllm_tp} is not this rank's rollout "
+                f"engine {list(engine_ranks)}; rollout.tensor_parallel > 1 needs Megatron's "
+                "default rank order (tensor parallelism innermost) and a rollout TP that divides "
+                "parallel.tensor x parallel.context")
         patch_external_launcher()
 
 

@@ -1,14 +1,12 @@
-"""One rank's resources: config -> model checkpoint, rollout engine, Megatron trainer + verifier,
-resharder, bubble drafter, task and lookahead sampler.
+"""One rank's resources: config -> model checkpoint, rollout layout and engine, Megatron trainer +
+verifier, resharder, bubble drafter, task and lookahead sampler.
 
-Rollout is data-parallel over Megatron's DP groups: each TP x PP model replica owns one rollout
-engine, driven by the replica's first rank (its *leader*). With ``rollout.tensor_parallel=1`` the
-engine lives on the leader alone; with ``rollout.tensor_parallel`` = ``parallel.tensor`` it spans
-the replica's first-stage TP group (one vLLM shard per rank, vLLM's external launcher) and the
-leader drives it in lockstep (``loop.lockstep``). Every other rank takes part in the collectives
-(verification, training, resharding) and receives the leader's results. vLLM's process groups are
-created on every rank before any engine (``distributed.vllm_groups``), so building an engine on
-some ranks never waits for the others.
+Rollout has a layout of its own (``loop.layout``): every rank belongs to one rollout engine of
+``rollout.tensor_parallel`` consecutive ranks of its model replica, so every rank generates. An
+engine of one rank lives in process; a tensor-parallel one holds one vLLM shard per rank (vLLM's
+external launcher), and its first rank drives it in lockstep (``loop.lockstep``). vLLM's process
+groups are created on every rank before any engine (``distributed.vllm_groups``), so building the
+engines never waits on a rank that is elsewhere.
 """
 
 from __future__ import annotations
@@ -28,6 +26,7 @@ from megatron_bubblespec.data.lookahead import LookaheadSampler
 from megatron_bubblespec.data.tasks import Task, check_prompt_lengths, task_from_config
 from megatron_bubblespec.distributed import init_distributed, megatron_cpu_mode
 from megatron_bubblespec.distributed.world import default_store
+from megatron_bubblespec.loop.layout import RolloutLayout, build_layout
 from megatron_bubblespec.models.architecture import ModelSpec, load_checkpoint, make_tiny_checkpoint
 from megatron_bubblespec.rollout.factory import build_engine, engine_options
 from megatron_bubblespec.sampling import SamplingParams
@@ -65,29 +64,26 @@ class Replica:
     trainer: MegatronTrainer
     verifier: Verifier | None          # None when BubbleSpec is off
     resharder: Resharder
-    engine: RolloutEngine | None       # the rollout engine the loop drives (leaders only)
-    drafter: BubbleDrafter | None      # leaders only
-    engine_shard: RolloutEngine | None  # this rank's own engine (leaders; every rank of a TP engine)
-    dp_rank: int
-    dp_size: int
-    is_leader: bool
+    engine: RolloutEngine | None       # the engine the loop drives (engine leaders only)
+    drafter: BubbleDrafter | None      # engine leaders only
+    engine_shard: RolloutEngine        # this rank's own engine (or its shard of a TP engine)
+    layout: RolloutLayout
+    replica_group: dist.ProcessGroup   # gloo, the replica's ranks (results to the learners)
+    world_group: dist.ProcessGroup     # gloo, every rank (drafts, per-engine metrics)
     state: RunState
     heartbeat: Heartbeat | None = None  # when the loop keeps one
+
+    @property
+    def dp_rank(self) -> int:
+        return self.layout.dp_rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.layout.dp_size
 
     def beat(self, step: int, stage: str) -> None:
         if self.heartbeat is not None:
             self.heartbeat.beat(step, stage)
-
-    def share(self, obj):
-        """Leader's object -> every rank of this replica (no-op for TP = PP = 1)."""
-        from megatron.core import parallel_state as ps
-
-        group = ps.get_model_parallel_group()
-        if dist.get_world_size(group) == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=ps.get_model_parallel_src_rank(), group=group)
-        return box[0]
 
 
 def resolve_model(cfg: Config, rank: int) -> Path:
@@ -165,30 +161,29 @@ def build_replica(cfg: Config) -> Replica:
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     sampler = LookaheadSampler(cfg.run.seed, task.size, cfg.rollout.prompts_per_step, dp_size,
                                cfg.rollout.samples_per_prompt)
-    first_stage = (ps.get_pipeline_model_parallel_rank() == 0
-                   and ps.get_context_parallel_rank() == 0)   # engines live on CP rank 0
-    is_leader = first_stage and ps.get_tensor_model_parallel_rank() == 0
     rollout_tp = cfg.rollout.tensor_parallel
+    layout, replica_group, world_group = build_layout(rollout_tp, dp_rank, dp_size)
     if cfg.rollout.engine == "vllm":
         from megatron_bubblespec.distributed.vllm_groups import init_vllm_parallel_state
 
-        init_vllm_parallel_state(rollout_tp, run_name=cfg.run.name)    # every rank, before engines
-    holds_shard = is_leader or (first_stage and rollout_tp > 1)
-    engine_shard = build_engine(path, **engine_options(cfg)) if holds_shard else None
-    engine = engine_shard if is_leader else None
-    if is_leader and rollout_tp > 1:
-        from megatron_bubblespec.distributed.vllm_groups import engine_cpu_group
-        from megatron_bubblespec.loop.lockstep import LockstepEngine
+        init_vllm_parallel_state(rollout_tp, layout.engine_ranks,       # every rank, before engines
+                                 run_name=cfg.run.name)
+    engine_shard = build_engine(path, **engine_options(cfg))
+    engine = drafter = None
+    if layout.leads_engine:
+        engine = engine_shard
+        if rollout_tp > 1:
+            from megatron_bubblespec.distributed.vllm_groups import engine_cpu_group
+            from megatron_bubblespec.loop.lockstep import LockstepEngine
 
-        engine = LockstepEngine(engine_shard, engine_cpu_group())
-    drafter = None
-    if is_leader:
-        drafter = BubbleDrafter(default_store(), dp_size, engine, params,
+            engine = LockstepEngine(engine_shard, engine_cpu_group())
+        drafter = BubbleDrafter(default_store(), layout.num_engines, engine, params,
                                 chunk=cfg.spec.draft_chunk, in_flight=cfg.spec.draft_in_flight,
                                 timeout_s=cfg.spec.barrier_timeout_s,
                                 namespace=f"bubblespec/{cfg.run.name}")
     verifier = build_verifier(cfg, params, model=model, spec=spec, engine=engine)
-    state = RunState(0, DraftQueue.from_config(cfg, task.eos_token_ids, spec.vocab_size),
-                     ResponseMemory())
+    queue = DraftQueue.from_config(cfg, task.eos_token_ids, spec.vocab_size,
+                                   engines_per_replica=layout.engines_per_replica)
     return Replica(cfg, spec, path, params, task, sampler, trainer, verifier, trainer.resharder(),
-                   engine, drafter, engine_shard, dp_rank, dp_size, is_leader, state)
+                   engine, drafter, engine_shard, layout, replica_group, world_group,
+                   RunState(0, queue, ResponseMemory()))

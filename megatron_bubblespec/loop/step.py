@@ -4,9 +4,11 @@ Invariant (asserted): every token that reaches the learner at step t was drawn b
 sampler from the weights of version t, either by the rollout engine or by the verifier; drafts are
 only proposals, whatever version made them.
 
-Each stage is one call below. Who does what: every rank of a replica verifies, learns and reshards
-(collectives); the replica's leader drives the rollout engine through the rollout and the bubble
-(the other ranks of a tensor-parallel engine follow it in lockstep) and shares the results.
+Each stage is one call below. Who does what: every rank of a model replica verifies, learns and
+reshards (collectives, in the training layout); the replica's samples are split round-robin over
+its rollout engines (``loop.layout``), each driven by its first rank through the rollout and the
+bubble (the other ranks of a tensor-parallel engine follow it in lockstep); the engines' results
+come back to every rank of the replica for learning.
 """
 
 from __future__ import annotations
@@ -38,14 +40,23 @@ class StepOutput:
 
 
 @dataclass
-class Rollout:
-    """What the leader's engine produced in stages 2-4, shared with the replica's other ranks."""
+class Verified:
+    """Stage 1's outcome for the replica's samples, in sample order."""
 
-    results: list[RolloutResult]
+    requests: list[RolloutRequest]   # with the verified tokens as their fixed response prefix
+    drafted: list[int]               # draft tokens per sample (0: no draft)
+    accepted: list[int]              # accepted draft tokens per sample
+    seconds: float
+
+
+@dataclass
+class EngineRollout:
+    """What this rank's engine produced in stages 2-3 (its leader only)."""
+
+    results: list[RolloutResult]     # of its share of the replica's samples
     seconds: float
     engine_steps: int
-    bubble: dict                  # the bubble's metrics
-    drafts: list[Draft]           # every DP rank's new drafts of the coming steps
+    bubble: dict | None = None       # the bubble's metrics
 
 
 def _key(rep: Replica, step: int, prompt_index: int, sample_index: int) -> int:
@@ -80,25 +91,21 @@ def pending_drafts(rep: Replica, step: int) -> dict[int, Draft]:
 
 
 def verify(rep: Replica, requests: list[RolloutRequest], samples: range,
-           pending: dict[int, Draft]) -> tuple[list[RolloutRequest], dict]:
-    """Stage 1: the step-t policy checks the drafts of my samples -> fixed prefixes.
+           pending: dict[int, Draft]) -> Verified:
+    """Stage 1: the step-t policy checks the drafts of the replica's samples -> fixed prefixes.
 
     Only samples that have a draft are verified; the others go to the engine unchanged, which
     draws the same first token the verifier would have."""
     drafted = [i for i, g in enumerate(samples) if g in pending and pending[g].tokens]
     drafts = [list(pending[samples[i]].tokens) for i in drafted]
-    metrics = {"spec/drafted_samples": len(drafts), "spec/drafted_tokens": sum(map(len, drafts)),
-               "spec/accepted_tokens": 0, "spec/verify_s": 0.0}
+    out = Verified(list(requests), [0] * len(requests), [0] * len(requests), 0.0)
     if not drafts:
-        return requests, metrics
-    result, seconds = rep.verifier.verify([requests[i] for i in drafted], drafts)
-    metrics.update({"spec/accepted_tokens": int(result.accepted.sum()), "spec/verify_s": seconds,
-                    "spec/accepted_prefix_mean": float(result.accepted.float().mean())})
-    fixed = list(requests)
-    for i, request in zip(drafted, apply_verification([requests[i] for i in drafted], result,
-                                                      drafts)):
-        fixed[i] = request
-    return fixed, metrics
+        return out
+    result, out.seconds = rep.verifier.verify([requests[i] for i in drafted], drafts)
+    fixed = apply_verification([requests[i] for i in drafted], result, drafts)
+    for i, request, draft, accepted in zip(drafted, fixed, drafts, result.accepted.tolist()):
+        out.requests[i], out.drafted[i], out.accepted[i] = request, len(draft), accepted
+    return out
 
 
 def with_draft_pools(rep: Replica, step: int, requests, pending: dict[int, Draft]):
@@ -121,25 +128,26 @@ def _check_engine_version(rep: Replica, engine=None) -> None:
                            "(a reshard was missed or failed)")
 
 
-def rollout(rep: Replica, step: int, requests, pending: dict[int, Draft]):
-    """Stage 2: the engine (weights of version t) completes every sample from its fixed prefix.
+def rollout(rep: Replica, step: int, requests, pending: dict[int, Draft]) -> EngineRollout | None:
+    """Stage 2: each engine (weights of version t) completes its share of the replica's samples
+    from their fixed prefixes.
 
-    Leaders return (results, seconds, engine steps). The other ranks of a tensor-parallel engine
-    run the leader's engine calls on their shard (this rollout, then the bubble's drafting) until
-    the leader releases them; ranks without an engine return None at once."""
-    if not rep.is_leader:
-        if rep.engine_shard is not None:
-            from megatron_bubblespec.distributed.vllm_groups import engine_cpu_group
+    Engine leaders return their share's results. The other ranks of a tensor-parallel engine run
+    the leader's engine calls on their shard (this rollout, then the bubble's drafting) until the
+    leader releases them, and return None."""
+    if not rep.layout.leads_engine:
+        from megatron_bubblespec.distributed.vllm_groups import engine_cpu_group
 
-            group = engine_cpu_group()
-            follow(rep.engine_shard, dist.get_process_group_ranks(group)[0], group)
+        group = engine_cpu_group()
+        follow(rep.engine_shard, dist.get_process_group_ranks(group)[0], group)
         return None
     _check_engine_version(rep)
     if rep.cfg.spec.enabled and rep.cfg.spec.speculative_continuation:
         requests = with_draft_pools(rep, step, requests, pending)
+    mine = rep.layout.share(requests)
     start = time.perf_counter()
-    results = rep.engine.generate(requests, rep.params)
-    return results, time.perf_counter() - start, rep.engine.last_engine_steps
+    results = rep.engine.generate(mine, rep.params)
+    return EngineRollout(results, time.perf_counter() - start, rep.engine.last_engine_steps)
 
 
 def drafted_steps(rep: Replica, step: int) -> list[int]:
@@ -158,7 +166,7 @@ def bubble(rep: Replica, step: int) -> tuple[list[Draft], dict] | None:
     at 8), so the later steps' samples fill the drafting batch and a long bubble drafts several
     steps ahead. A partial draft is extended by the newer policy (the old draft is the request's
     prefix)."""
-    if not rep.is_leader:
+    if not rep.layout.leads_engine:
         return None
     queue = rep.state.drafts
     samples = queue.left_to_draft([rep.sampler.batch(t) for t in drafted_steps(rep, step)])
@@ -180,26 +188,28 @@ def bubble(rep: Replica, step: int) -> tuple[list[Draft], dict] | None:
                     "bubble/draftable_s": stats.idle_s if samples else 0.0}
 
 
-def exchange_drafts(rep: Replica, step: int, generated, drafted) -> Rollout:
-    """Stage 4: all-gather the leaders' drafts over DP, share the leader's rollout with its
-    replica, and queue every rank's drafts by step on every rank."""
-    shared = None
-    if rep.is_leader:
-        from megatron.core import parallel_state as ps
-
-        new, bubble_metrics = drafted
-        drafting = bool(drafted_steps(rep, step))   # the same on every leader: collective
-        everyone = exchange(new, group=ps.get_data_parallel_group()) if drafting else []
-        shared = Rollout(*generated, bubble_metrics, everyone)
-    shared = rep.share(shared)
+def exchange_drafts(rep: Replica, step: int, drafted) -> None:
+    """Stage 4: all-gather the engines' new drafts over the world, and queue every engine's drafts
+    by step on every rank (the same queue everywhere)."""
+    if not drafted_steps(rep, step):   # the same on every rank: collective or nothing
+        return
+    everyone = exchange(drafted[0] if drafted else [], group=rep.world_group)
     expected = {}
-    for t in {d.step for d in shared.drafts}:
+    for t in sorted({d.step for d in everyone}):
         batch = rep.sampler.batch(t)
         for g in range(batch.num_samples):
             slot = batch.slot(g)
             expected[(t, g)] = _key(rep, t, slot.prompt_index, slot.sample_index)
-    rep.state.drafts.absorb(shared.drafts, expected)
-    return shared
+    rep.state.drafts.absorb(everyone, expected)
+
+
+def collect_results(rep: Replica, mine: EngineRollout | None) -> list[RolloutResult]:
+    """The replica's engines' shares -> every rank of the replica, in sample order."""
+    shares: list = [None] * dist.get_world_size(rep.replica_group)
+    dist.all_gather_object(shares, (rep.layout.local_engine, mine.results if mine else None),
+                           group=rep.replica_group)
+    by_engine = dict((e, results) for e, results in shares if results is not None)
+    return rep.layout.merge([by_engine[e] for e in range(rep.layout.engines_per_replica)])
 
 
 def remember_responses(rep: Replica, step: int, results) -> None:
@@ -224,6 +234,9 @@ def learn(rep: Replica, step: int, prompts: list[list[int]], results: list[Rollo
     batch = GRPOBatch.from_responses(prompts, [r.token_ids for r in results],
                                      [r.logprobs for r in results], advantages)
     trainer = rep.trainer
+    if rep.cfg.rollout.sleep_during_train:   # the KV cache (and at level 2 the weights) freed
+        rep.engine_shard.sleep(rep.cfg.rollout.sleep_level)
+    trainer.restore_training_state()         # after train.offload_during_rollout
     metrics, before = trainer.train_step(batch)   # before: Megatron's logprobs, weights t
     gap = check_on_policy([r.logprobs for r in results],
                           gather_responses(before, batch.response_mask), rep.cfg.model.dtype,
@@ -232,15 +245,21 @@ def learn(rep: Replica, step: int, prompts: list[list[int]], results: list[Rollo
     mask, delta = batch.response_mask, after - before
     # k3 estimator of KL(pi_t || pi_t+1) on tokens drawn from pi_t: non-negative, unbiased.
     drift = float(((delta.exp() - 1 - delta) * mask).sum() / mask.sum().clamp_min(1))
+    if rep.cfg.train.offload_during_rollout:
+        trainer.offload_training_state()     # the engines get the GPU until the next step
     return {"sync/logprob_abs_diff": gap, "policy/drift_kl": drift}, metrics
 
 
 def reshard(rep: Replica) -> dict:
     """Stage 6: Megatron shards -> full HF tensors -> the engine; weight version t -> t+1."""
-    stats = rep.resharder.sync(rep.engine_shard)   # every rank of a TP engine loads its shard
+    engine, asleep = rep.engine_shard, rep.cfg.rollout.sleep_during_train
+    if asleep:
+        engine.wake_up(["weights"])
+    stats = rep.resharder.sync(engine)   # every rank of a TP engine loads its shard
+    if asleep:
+        engine.wake_up(["kv_cache"])
     rep.state.weight_version += 1
-    if rep.engine_shard is not None:
-        _check_engine_version(rep, rep.engine_shard)
+    _check_engine_version(rep, engine)
     return {"sync/reshard_s": stats.seconds, "sync/reshard_bytes": stats.bytes}
 
 
@@ -251,49 +270,72 @@ def run_step(rep: Replica, step: int) -> StepOutput:
     pending = pending_drafts(rep, step)
 
     rep.beat(step, "verify")
-    requests, spec_metrics = verify(rep, requests, samples, pending)                # 1 verify
+    verified = verify(rep, requests, samples, pending)                              # 1 verify
     rep.beat(step, "rollout")
-    generated = rollout(rep, step, requests, pending)                               # 2 rollout
+    mine = rollout(rep, step, verified.requests, pending)                           # 2 rollout
     rep.beat(step, "bubble")
     drafted = bubble(rep, step)                                                     # 3 bubble
-    out = exchange_drafts(rep, step, generated, drafted)                            # 4 exchange
+    exchange_drafts(rep, step, drafted)                                             # 4 exchange
+    results = collect_results(rep, mine)
     if cfg.spec.enabled and cfg.spec.draft_source == "previous_epoch":
-        remember_responses(rep, step, out.results)
+        remember_responses(rep, step, results)
 
     rep.beat(step, "learn")
     batch = rep.sampler.batch(step)
     rewards = [rep.task.reward(rep.task.prompt(batch.slot(g).prompt_index), r.token_ids)
-               for g, r in zip(samples, out.results)]
-    prompts = [r.prompt_token_ids for r in requests]
-    sync_metrics, train_metrics = learn(rep, step, prompts, out.results,
+               for g, r in zip(samples, results)]
+    prompts = [r.prompt_token_ids for r in verified.requests]
+    sync_metrics, train_metrics = learn(rep, step, prompts, results,
                                         [x.total for x in rewards])                 # 5 learn
     rep.beat(step, "reshard")
     sync_metrics.update(reshard(rep))                                               # 6 reshard
 
-    lengths = [len(r.token_ids) for r in out.results]
-    rank_metrics = {
-        "rollout/time_s": out.seconds,
-        "rollout/decode_steps": sum(r.decode_steps for r in out.results),
+    if mine is None:      # a follower of a tensor-parallel engine: its leader reports
+        return StepOutput(None, train_metrics, {})
+    if drafted is not None:
+        mine.bubble = drafted[1]
+    share = rep.layout.share
+    return StepOutput(engine_metrics(rep, mine, share(verified.drafted), share(verified.accepted),
+                                     verified.seconds, share(rewards), sync_metrics),
+                      train_metrics, dict(zip(share(samples), (list(r.token_ids)
+                                                              for r in mine.results))))
+
+
+def engine_metrics(rep: Replica, mine: EngineRollout, drafted: list[int], accepted: list[int],
+                   verify_s: float, rewards, sync_metrics: dict) -> dict:
+    """One engine's raw step metrics over its share of the samples (``metrics.aggregate``)."""
+    results = mine.results
+    lengths = [len(r.token_ids) for r in results]
+    verified = [a for d, a in zip(drafted, accepted) if d]
+    if rep.layout.local_engine:   # the replica's bytes are counted once, by its engine 0
+        sync_metrics = {k: v for k, v in sync_metrics.items() if k != "sync/reshard_bytes"}
+    metrics = {
+        "rollout/time_s": mine.seconds,
+        "rollout/decode_steps": sum(r.decode_steps for r in results),
         "rollout/decode_steps_plain": decode_steps_plain(lengths),
-        "rollout/engine_steps": out.engine_steps,
-        "spec/continuation_proposed_tokens": sum(r.proposed_tokens for r in out.results),
-        "spec/continuation_accepted_tokens": sum(r.accepted_tokens for r in out.results),
+        "rollout/engine_steps": mine.engine_steps,
+        "spec/continuation_proposed_tokens": sum(r.proposed_tokens for r in results),
+        "spec/continuation_accepted_tokens": sum(r.accepted_tokens for r in results),
         "rollout/tokens": sum(lengths),
-        "rollout/max_response_len": max(lengths),
-        "train/reward_mean": sum(x.total for x in rewards) / len(rewards),
-        "train/accuracy": sum(x.correct for x in rewards) / len(rewards),
+        "rollout/max_response_len": max(lengths, default=0),
+        "train/reward_mean": sum(x.total for x in rewards) / max(len(rewards), 1),
+        "train/accuracy": sum(x.correct for x in rewards) / max(len(rewards), 1),
         "exact/weight_version": rep.state.weight_version - 1,
-        **spec_metrics, **out.bubble, **sync_metrics,
+        "spec/drafted_samples": len(verified),
+        "spec/drafted_tokens": sum(drafted),
+        "spec/accepted_tokens": sum(accepted),
+        "spec/verify_s": verify_s,
+        **(mine.bubble or {}), **sync_metrics,
     }
-    return StepOutput(rank_metrics, train_metrics,
-                      {g: list(r.token_ids) for g, r in zip(samples, out.results)})
+    if verified:
+        metrics["spec/accepted_prefix_mean"] = sum(verified) / len(verified)
+    return metrics
 
 
 def gather_step(rep: Replica, out: StepOutput):
-    """Every rank's StepOutput -> rank 0 (leaders' metrics in DP order; None elsewhere)."""
+    """Every rank's StepOutput -> rank 0 (the engine leaders', in engine order; None elsewhere)."""
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (rep.dp_rank, rep.is_leader, out))
+    dist.all_gather_object(everyone, (rep.layout.engine_index, out), group=rep.world_group)
     if dist.get_rank() != 0:
         return None
-    leaders = sorted((dp, o) for dp, leader, o in everyone if leader)
-    return [o for _, o in leaders]
+    return [o for _, o in sorted(everyone, key=lambda pair: pair[0]) if o.rank_metrics is not None]

@@ -1,7 +1,8 @@
-"""Step aggregation: one metric dict per DP rank -> one step record (sums, maxima, means, ratios).
+"""Step aggregation: one metric dict per rollout engine -> one step record (sums, maxima, means, ratios).
 
-Each rank reports the raw metrics of its own share of the step under the names of DESIGN.md
-("rollout/tokens", "bubble/idle_s", ...). The ratios are never averaged across ranks: they are
+Each rollout engine (``loop.layout``; one per DP rank in a DP-only layout) reports the raw metrics
+of its own share of the step under the names of DESIGN.md ("rollout/tokens", "bubble/idle_s", ...);
+"rank r" below is the engine with global index r, and the per-engine keys are ``rank{r}/...``. The ratios are never averaged across ranks: they are
 recomputed from the aggregated sums, so a rank with more samples weighs more. A rank that does not
 report a metric (or reports None) is left out of that metric; a record holds only metrics that at
 least one rank reported, and a ratio only when its inputs are there (NaN when its denominator is 0).
@@ -60,10 +61,12 @@ DERIVED = (
     "spec/continuation_accept_rate",
     "spec/decode_steps_saved_frac",
     "rollout/engine_steps_sum",
+    "rollout/engines",
 )
 # Also kept per rank, as "rank{r}/<key>".
 PER_RANK = ("bubble/idle_s", "bubble/drafting_s", "bubble/overshoot_s", "bubble/draftable_s",
-            "bubble/ratio", "bubble/utilization", "rollout/engine_steps")
+            "bubble/ratio", "bubble/utilization", "rollout/engine_steps", "rollout/time_s",
+            "spec/drafted_tokens")
 
 REPORTED = SUMMED + MAXED + MEANED + tuple(WEIGHTED) + SAME
 
@@ -114,8 +117,9 @@ def aggregate_step(step: int, rank_metrics: Sequence[Mapping[str, float | None]]
       continuation_proposed_tokens;
     * spec/decode_steps_saved_frac = 1 - sum decode_steps / sum decode_steps_plain, where
       decode_steps_plain is :func:`decode_steps_plain` of the step's responses;
-    * per rank r: rank{r}/bubble/{idle_s, drafting_s, overshoot_s} and rank{r}/rollout/engine_steps
-      as reported,
+    * rollout/engines = the number of engines that reported (n);
+    * per rank r: rank{r}/bubble/{idle_s, drafting_s, overshoot_s}, rank{r}/rollout/{engine_steps,
+      time_s} and rank{r}/spec/drafted_tokens as reported,
       rank{r}/bubble/ratio = idle_s / T and rank{r}/bubble/utilization = drafting_s /
       draftable_s (or / idle_s, as above).
     """
@@ -131,7 +135,7 @@ def aggregate_step(step: int, rank_metrics: Sequence[Mapping[str, float | None]]
     def reported(key: str) -> list[float]:
         return [m[key] for m in rank_metrics if m.get(key) is not None]
 
-    record: dict = {"step": step}
+    record: dict = {"step": step, "rollout/engines": len(rank_metrics)}
     for key in SUMMED:
         if values := reported(key):
             record[key] = sum(values)
@@ -189,6 +193,8 @@ def aggregate_step(step: int, rank_metrics: Sequence[Mapping[str, float | None]]
             "bubble/utilization": (ratio(drafting, usable)
                                    if usable is not None and drafting is not None else None),
             "rollout/engine_steps": metrics.get("rollout/engine_steps"),
+            "rollout/time_s": metrics.get("rollout/time_s"),
+            "spec/drafted_tokens": metrics.get("spec/drafted_tokens"),
         }
         for key in PER_RANK:
             if per_rank[key] is not None:

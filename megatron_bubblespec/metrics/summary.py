@@ -73,11 +73,20 @@ COLUMNS = (
 )
 
 
+def slowest_engine(record: Record) -> str:
+    """The engine the step waited for: the largest per-engine rollout time (``rank{e}/...``)."""
+    times = {int(key[len("rank"):].split("/")[0]): v for key, v in record.items()
+             if key.startswith("rank") and key.endswith("/rollout/time_s") and v is not None}
+    return str(max(times, key=times.get)) if times else "-"
+
+
 def summary_table(records: Sequence[Record]) -> Table:
     """One row per step and a last row of whole-run values (see :func:`run_totals`)."""
-    table = Table(title=f"BubbleSpec run summary ({len(records)} steps)",
+    engines = max((int(r.get("rollout/engines") or 0) for r in records), default=0)
+    where = f", {engines} rollout engines" if engines else ""
+    table = Table(title=f"BubbleSpec run summary ({len(records)} steps{where})",
                   caption="drafts / accept tok: drafted / accepted tokens; bubble: idle share of "
-                          "rank rollout time; util: drafting share of the bubble",
+                          "engine rollout time; util: drafting share of the bubble",
                   box=box.SIMPLE_HEAD, padding=0, show_edge=False)
     table.add_column("step", justify="right", style="bold", no_wrap=True)
     for header, _, _ in COLUMNS:
@@ -91,8 +100,13 @@ def summary_table(records: Sequence[Record]) -> Table:
 
 
 def print_summary(records: Sequence[Record], console: Console | None = None) -> None:
-    """Print :func:`summary_table` of ``records`` to ``console`` (a new stdout Console if None)."""
-    (console or Console()).print(summary_table(records))
+    """Print :func:`summary_table` of ``records`` to ``console`` (a new stdout Console if None),
+    then, with several engines, the engine each step waited for."""
+    console = console or Console()
+    console.print(summary_table(records))
+    if any((r.get("rollout/engines") or 0) > 1 for r in records):
+        console.print("slowest engine by step (what the step waited for): " + ", ".join(
+            f"{r.get('step', '?')}: {slowest_engine(r)}" for r in records))
 
 
 def _series(records: Sequence[Record], key: str) -> tuple[list[float], list[float]]:

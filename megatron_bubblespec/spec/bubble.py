@@ -1,18 +1,19 @@
-"""The DP barrier with bubble drafting: finished rank -> arrive at a store counter -> draft the coming
-steps' samples (claimed in chunks from a shared cursor) one engine step at a time -> abort when all
-arrived.
+"""The step barrier with bubble drafting: finished engine -> arrive at a store counter -> draft the
+coming steps' samples (claimed in chunks from a shared cursor) one engine step at a time -> abort
+when all engines arrived.
 
-A drafting rank keeps up to ``in_flight`` samples in its engine at once (its full decode
+Every rollout engine (``loop.layout``; one per DP rank in a DP-only layout) arrives once, through
+its first rank. A drafting engine keeps up to ``in_flight`` samples at once (its full decode
 batch: an engine step costs nearly the same for 1 or 32 rows, so drafted tokens per bubble-second
 grow with the batch), refilling from the cursor as drafts finish; it stops within one engine step
 of the barrier's close whatever the batch.
 
 The counter and the cursor live in the torch.distributed store, which works for gloo and NCCL
-alike and costs one round trip per check. Fast ranks arrive first and claim more chunks; no sample
-is claimed twice. When the last rank arrives it stamps the closing time, so each drafting rank can
-measure its overshoot (time spent drafting after the barrier had in fact closed, at most one engine
-step). A rank that never arrives makes the others fail after ``timeout_s`` with a message naming
-the step and how many ranks had arrived, never a silent hang.
+alike and costs one round trip per check. Fast engines arrive first and claim more chunks; no
+sample is claimed twice. When the last engine arrives it stamps the closing time, so each drafting
+engine can measure its overshoot (time spent drafting after the barrier had in fact closed, at
+most one engine step). An engine that never arrives makes the others fail after ``timeout_s`` with
+a message naming the step and how many engines had arrived, never a silent hang.
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ class BubbleStats:
 class BubbleDrafter:
     """Arrive, draft while others are still generating, return the partial drafts."""
 
-    def __init__(self, store, dp_size: int, engine: RolloutEngine, params: SamplingParams, *,
+    def __init__(self, store, num_engines: int, engine: RolloutEngine, params: SamplingParams, *,
                  chunk: int = 2, in_flight: int = 32, timeout_s: float = 600.0,
                  poll_s: float = 0.002, namespace: str = "bubblespec"):
-        self.store, self.dp_size, self.engine, self.params = store, dp_size, engine, params
+        self.store, self.num_engines, self.engine, self.params = store, num_engines, engine, params
         self.chunk, self.in_flight = chunk, max(in_flight, chunk)
         self.timeout_s, self.poll_s, self.namespace = timeout_s, poll_s, namespace
 
@@ -68,18 +69,19 @@ class BubbleDrafter:
         stats, drafts = BubbleStats(), []
         arrive, cursor, closed = (self._key(k, step) for k in ("arrive", "cursor", "closed"))
         arrived_at = time.perf_counter()
-        if self.store.add(arrive, 1) >= self.dp_size:
+        if self.store.add(arrive, 1) >= self.num_engines:
             self.store.set(closed, repr(time.time()))
             stats.last_to_arrive = True
             return drafts, stats
         pending: dict[str, tuple[Sample, int]] = {}  # request id -> (sample, key)
         exhausted = next_request is None or not samples
-        while self.store.add(arrive, 0) < self.dp_size:
+        while self.store.add(arrive, 0) < self.num_engines:
             if time.perf_counter() - arrived_at > self.timeout_s:
                 raise TimeoutError(
-                    f"step {step}: only {self.store.add(arrive, 0)} of {self.dp_size} data-parallel "
-                    f"ranks reached the barrier within {self.timeout_s:.0f} s; a rank died or hangs "
-                    "(see its log); raise spec.barrier_timeout_s if steps are legitimately slower")
+                    f"step {step}: only {self.store.add(arrive, 0)} of {self.num_engines} rollout "
+                    f"engines reached the barrier within {self.timeout_s:.0f} s; a rank died or "
+                    "hangs (see its log); raise spec.barrier_timeout_s if steps are legitimately "
+                    "slower")
             while not exhausted and len(pending) < self.in_flight:
                 end = self.store.add(cursor, self.chunk)
                 start = end - self.chunk

@@ -5,15 +5,16 @@ every rank (every rank absorbs every rank's drafts after the exchange), so all r
 same list of samples still to draft and a checkpoint needs only one rank's queue.
 
 Step t's bubble drafts the samples of steps t+k .. t+k+H-1 (k = ``spec.draft_lookahead``,
-H = ``spec.draft_horizon``), next step first. Within a step the order is round-robin over the DP
-ranks that will roll the samples out (rank 0's first sample, rank 1's first, ..., rank 0's
-second, ...), so a short bubble shortens every rank's next rollout a little rather than one rank's a
-lot: the step waits for the slowest rank. A draft that ran to EOS or to the draft budget is
+H = ``spec.draft_horizon``), next step first. Within a step the order is round-robin over the
+rollout engines that will roll the samples out (engine 0's first sample, engine 1's first, ...,
+engine 0's second, ...), so a short bubble shortens every engine's next rollout a little rather
+than one engine's a lot: the step waits for the slowest engine. A draft that ran to EOS or to the draft budget is
 complete and not drafted again; a partial one is extended by a later bubble's newer policy.
 """
 
 from __future__ import annotations
 
+from itertools import zip_longest
 from typing import Iterable, Sequence
 
 from megatron_bubblespec.spec.drafts import Draft, select_drafts
@@ -23,18 +24,21 @@ Sample = tuple[int, int]     # (step, global sample index within the step)
 
 class DraftQueue:
     def __init__(self, *, budget: int, eos_token_ids: Sequence[int], vocab_size: int,
-                 lookahead: int = 1, horizon: int = 1, num_steps: int | None = None):
+                 lookahead: int = 1, horizon: int = 1, num_steps: int | None = None,
+                 engines_per_replica: int = 1):
         self.budget, self.eos_token_ids = budget, tuple(eos_token_ids)
         self.vocab_size, self.lookahead, self.horizon = vocab_size, lookahead, horizon
-        self.num_steps = num_steps
+        self.num_steps, self.engines_per_replica = num_steps, engines_per_replica
         self._by_step: dict[int, dict[int, Draft]] = {}
 
     @classmethod
-    def from_config(cls, cfg, eos_token_ids: Sequence[int], vocab_size: int) -> "DraftQueue":
+    def from_config(cls, cfg, eos_token_ids: Sequence[int], vocab_size: int,
+                    engines_per_replica: int = 1) -> "DraftQueue":
         s = cfg.spec
         return cls(budget=min(s.max_draft_tokens, cfg.rollout.max_new_tokens),
                    eos_token_ids=eos_token_ids, vocab_size=vocab_size,
-                   lookahead=s.draft_lookahead, horizon=s.draft_horizon, num_steps=cfg.run.steps)
+                   lookahead=s.draft_lookahead, horizon=s.draft_horizon, num_steps=cfg.run.steps,
+                   engines_per_replica=engines_per_replica)
 
     # ------------------------------------------------------------------ what to draft
     def target_steps(self, step: int) -> list[int]:
@@ -54,7 +58,8 @@ class DraftQueue:
     def left_to_draft(self, batches: Iterable) -> list[Sample]:
         """The samples of ``batches`` (``data.lookahead.StepBatch``, in step order) still to
         draft, in drafting order."""
-        return [(batch.step, g) for batch in batches for g in drafting_order(batch)
+        return [(batch.step, g) for batch in batches
+                for g in drafting_order(batch, self.engines_per_replica)
                 if not self.is_complete(self.get(batch.step, g))]
 
     # ------------------------------------------------------------------ in and out
@@ -88,7 +93,10 @@ class DraftQueue:
             for step, rows in state.items()}
 
 
-def drafting_order(batch) -> list[int]:
-    """A step's global sample indices, round-robin over the DP ranks that will roll them out."""
-    per_rank = [batch.rank_sample_range(r) for r in range(batch.dp_size)]
-    return [g for column in zip(*per_rank) for g in column]
+def drafting_order(batch, engines_per_replica: int = 1) -> list[int]:
+    """A step's global sample indices, round-robin over the engines that will roll them out (a
+    replica's samples are dealt round-robin to its engines: ``loop.layout.RolloutLayout.share``)."""
+    e = engines_per_replica
+    per_engine = [list(batch.rank_sample_range(r))[k::e] for r in range(batch.dp_size)
+                  for k in range(e)]
+    return [g for column in zip_longest(*per_engine) for g in column if g is not None]

@@ -315,6 +315,8 @@ class MegatronTrainer:
         mconfig.grad_scale_func = self.optimizer.scale_loss
         self.device = next(model.parameters()).device
         self.steps = 0
+        self._offloaded: list = []   # (optimizer state dict, key) moved to the host
+        self._grads_offloaded = False
 
     # ---------------------------------------------------------------------------- logprobs
 
@@ -451,6 +453,35 @@ class MegatronTrainer:
         count = values["train/num_tokens"]
         return {name: value if name == "train/num_tokens" else value / max(count, 1.0)
                 for name, value in values.items()}
+
+    # ---------------------------------------------------------------------------- GPU memory
+
+    def offload_training_state(self) -> None:
+        """Optimizer state and gradient buffers -> host memory, freeing the GPU for the rollout
+        engines (``train.offload_during_rollout``; CUDA only). The weights stay: the verifier and
+        the resharder read them. ``restore_training_state`` undoes it before the next step."""
+        if self._grads_offloaded or self.device.type != "cuda":
+            return
+        for state in self._optimizer_states():
+            for name, value in state.items():
+                if torch.is_tensor(value) and value.is_cuda:
+                    state[name] = value.to("cpu")
+                    self._offloaded.append((state, name))
+        self.model.offload_grad_buffers()
+        self._grads_offloaded = True
+
+    def restore_training_state(self) -> None:
+        if not self._grads_offloaded:
+            return
+        self.model.restore_grad_buffers()
+        for state, name in self._offloaded:
+            state[name] = state[name].to(self.device, non_blocking=True)
+        torch.cuda.synchronize()
+        self._offloaded, self._grads_offloaded = [], False
+
+    def _optimizer_states(self):
+        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            yield from optimizer.optimizer.state.values()
 
     def resharder(self, **kwargs):
         """A ``Resharder`` over the trained shard (full HF tensors on every rank of the replica)."""
