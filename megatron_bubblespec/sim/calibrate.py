@@ -60,6 +60,7 @@ import numpy as np
 from scipy.optimize import brentq, least_squares, minimize, nnls
 from scipy.stats import norm
 
+from megatron_bubblespec.metrics.rollouts import ROLLOUTS_FILE, read_rollouts
 from megatron_bubblespec.sim.model import EngineCosts, LengthModel, Setting, StepCosts, simulate
 
 ATTENTION_EQUAL_CTX = 8192  # KV length at which a sequence's attention costs its per-sequence share
@@ -169,13 +170,9 @@ def prompt_length(cfg, prompts: int = 64) -> int | None:
 
 def read_lengths(run_dir: Path | None, ranks: int) -> np.ndarray | None:
     """Response lengths (steps, ranks, samples per rank) from a run's rollouts.jsonl."""
-    if run_dir is None or not (run_dir / "rollouts.jsonl").is_file():
+    if run_dir is None or not (run_dir / ROLLOUTS_FILE).is_file():
         return None
-    steps = []
-    for line in (run_dir / "rollouts.jsonl").read_text().splitlines():
-        if line.strip():
-            responses = json.loads(line)["responses"]
-            steps.append([len(responses[k]) for k in sorted(responses, key=int)])
+    steps = [[len(responses[g]) for g in sorted(responses)] for responses in read_rollouts(run_dir)]
     if not steps or len({len(s) for s in steps}) != 1 or len(steps[0]) % ranks:
         return None
     return np.asarray(steps, dtype=np.int64).reshape(len(steps), ranks, -1)
