@@ -29,8 +29,9 @@ def cmd_info(_args) -> int:
 def cmd_train(args) -> int:
     """Train with GRPO (BubbleSpec on unless spec.enabled=false); launches the ranks itself.
     Exit codes: 0 done, 1 a rank failed, 2 bad config or inputs, 75 preempted (checkpoint
-    written; resume with run.resume=auto). Libraries' known-harmless warnings and their logs go
-    to <run dir>/logs/ unless --verbose."""
+    written; resume with run.resume=auto), 128 + N stopped by signal N (SIGTERM: 143) before a
+    checkpoint could be written. Libraries' known-harmless warnings, their logs and their native
+    output go to <run dir>/logs/ unless --verbose."""
     from megatron_bubblespec import logs
 
     if args.verbose:
@@ -53,13 +54,15 @@ def cmd_train(args) -> int:
         print(f"bubblespec train: config error: {err}", file=sys.stderr)
         return 2
     from megatron_bubblespec.distributed.launch import RankFailure
+    from megatron_bubblespec.loop.heartbeat import STOP_SIGNALS
     from megatron_bubblespec.loop.train import train
 
     try:
         train(cfg)
     except RankFailure as failure:
         print(f"bubblespec train: {failure}", file=sys.stderr)
-        return 1
+        stopped = [128 + s for s in STOP_SIGNALS]   # a rank that ended itself after the signal
+        return failure.exit_code if failure.exit_code in stopped else 1
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Third-party warnings and log records of a process -> the run's log file (known-harmless ones) or the terminal.
+"""Third-party warnings, log records and native output of a process -> the run's log file or (the ones that matter) the terminal.
 
 A first run should show the run's own lines, not the libraries' start-up chatter. Per process (the
 launcher and every rank), ``route_third_party_output(run_dir)`` sends
@@ -8,11 +8,19 @@ launcher and every rank), ``route_third_party_output(run_dir)`` sends
   the project's own included, still reaches the terminal;
 * log records of the libraries (vLLM, Megatron, torch, transformers, and records that reach the
   root logger with no handler) to the same file; ERROR and above also to the terminal;
+* on a rank, everything written to file descriptors 1 and 2 below Python (``route_native_output``:
+  the C++ side's warnings such as c10's ``[W... utils.cpp] Warning: NUMA binding``, a C library's
+  printf) to the same file, while the Python streams ``sys.stdout`` / ``sys.stderr`` (the run's
+  own lines, its progress display, a Python traceback) keep the terminal through copies of the
+  original descriptors;
+* transformers' and the hub's progress bars nowhere (they are off).
 
-and ``quiet_native_warnings()`` (before torch is imported, inherited by the ranks) keeps the C++
-side's warnings (c10's NUMA and thread notices) off the terminal; those cannot be redirected from
-Python and are dropped. ``BUBBLESPEC_VERBOSE=1`` (``bubblespec train --verbose``) turns all of it
-off: everything goes to the terminal as the libraries print it.
+The launcher's own descriptors stay on the terminal (its ranks inherit them as theirs);
+``quiet_native_warnings()`` (``bubblespec train``, before torch is imported; the ranks inherit it)
+lowers c10's log level to errors there and in the ranks, unless the user set
+``TORCH_CPP_LOG_LEVEL`` (then the ranks' c10 output lands in their log files).
+``BUBBLESPEC_VERBOSE=1`` (``bubblespec train --verbose``) turns all of it off: everything goes to
+the terminal as the libraries print it.
 """
 
 from __future__ import annotations
@@ -44,16 +52,61 @@ def verbose() -> bool:
 
 
 def quiet_native_warnings() -> None:
-    """Unless verbose: c10 (torch's C++ core) logs errors only, in this process and the ranks it
-    starts. Takes effect only before torch is first imported."""
+    """Unless verbose: c10 (torch's C++ core) logs errors only and the hub's progress bars are
+    off, in this process and the ranks it starts. Takes effect only before torch (and the hub)
+    are first imported."""
     if not verbose():
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+
+def _rank() -> str | None:
+    return os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
 
 
 def log_file(run_dir: str | Path) -> Path:
     """This process's log file: ``logs/rank<R>.log`` on a rank, ``logs/launcher.log`` else."""
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
+    rank = _rank()
     return Path(run_dir) / LOG_DIR / (f"rank{rank}.log" if rank is not None else "launcher.log")
+
+
+def _terminal_stream(stream, fd: int):
+    """A new text stream on a copy of ``fd`` in place of ``stream`` (the Python object on it), or
+    ``stream`` itself when it does not write to ``fd`` (a test's capture, a redirected object)."""
+    try:
+        if stream is None or stream.fileno() != fd:
+            return stream
+    except (AttributeError, OSError, ValueError):
+        return stream
+    stream.flush()
+    return open(os.dup(fd), "w", buffering=1, encoding=stream.encoding,
+                errors=stream.errors or "strict")
+
+
+def route_native_output(path: str | Path) -> None:
+    """File descriptors 1 and 2 -> ``path`` (appended), for everything written below Python; the
+    Python objects ``sys.stdout`` / ``sys.stderr`` move to copies of the original descriptors, so
+    what Python code prints (and a Python traceback) still reaches the terminal. Call it once,
+    before the libraries start threads that write to the descriptors (on a rank: first thing)."""
+    sys.stdout = _terminal_stream(sys.stdout, 1)
+    sys.stderr = _terminal_stream(sys.stderr, 2)
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(target, 1)
+        os.dup2(target, 2)
+    finally:
+        os.close(target)
+
+
+def tail(path: str | Path, lines: int = 8) -> list[str]:
+    """The last ``lines`` lines of a log file (for a failure message), [] if there is none."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError:
+        return []
+    return [line for line in text.splitlines() if line.strip()][-lines:]
 
 
 def _library(filename: str) -> str | None:
@@ -77,6 +130,8 @@ def route_third_party_output(run_dir: str | Path) -> Path | None:
     if _routed == path:
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
+    if _rank() is not None:    # the launcher's descriptors are its ranks' terminal: left alone
+        route_native_output(path)
     stream = open(path, "a", buffering=1, encoding="utf-8")   # lives as long as the process
     terminal_warning = warnings.showwarning
 
@@ -102,5 +157,8 @@ def route_third_party_output(run_dir: str | Path) -> Path | None:
         logger.propagate = False
     logging.getLogger("vllm").setLevel(logging.INFO)      # its start-up facts, in the file
     os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")   # vLLM's records reach our handlers
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")   # read when the hub is imported
+    if "transformers.utils.logging" in sys.modules:        # imported already: its own switch
+        sys.modules["transformers.utils.logging"].disable_progress_bar()
     _routed = path
     return path

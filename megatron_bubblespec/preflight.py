@@ -5,9 +5,12 @@ starts, so a bad input costs seconds, not a launch. It reads files and tokenizes
 no weights:
 
 1. the model: ``tiny`` needs nothing; ``smollm2`` must be installed (it is converted on first use,
-   as the ranks would do); a directory must be complete (``models.architecture.check_checkpoint``:
-   config.json with a supported architecture, every weight shard, and for the chat tasks the
-   tokenizer files and a chat template), and model.max_model_len must fit its position embeddings;
+   as the ranks would do); a directory must be intact (``check_model_files``: every file the run
+   reads opens: the JSON and text files parse, every weights shard's safetensors header reads and
+   the file is as long as that header says, a torch .bin archive's directory reads) and complete
+   (``models.architecture.check_checkpoint``: config.json with a supported architecture, every
+   weight shard, and for the chat tasks the tokenizer files and a chat template), and
+   model.max_model_len must fit its position embeddings;
 2. the layout (``check_layout``): Megatron must be able to split the model over
    parallel.pipeline (whole, equal numbers of layers per stage) and parallel.tensor (attention
    heads, KV heads and the MLP width); the vocabulary is padded to a multiple of 128 x TP by
@@ -24,6 +27,9 @@ no weights:
 
 from __future__ import annotations
 
+import json
+import struct
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +37,11 @@ from megatron_bubblespec.config import Config, ConfigError
 from megatron_bubblespec.models.architecture import ModelSpec
 
 CHAT_TASKS = ("arithmetic", "gsm8k", "jsonl")        # data.task values that need a tokenizer
+# Files of a model directory that the ranks read when present (transformers, vLLM), by kind.
+JSON_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json",
+              "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "added_tokens.json", "vocab.json", "chat_template.json")
+TEXT_FILES = ("merges.txt", "chat_template.jinja")
 FILE_TASKS = ("gsm8k", "jsonl")                      # every prompt is checked
 GENERATED_PROMPTS_CHECKED = 4096
 
@@ -124,11 +135,145 @@ def _check_model(cfg: Config) -> tuple[Path | None, ModelSpec]:
             raise PreflightError(f"model.path=smollm2: {error}") from None
     else:
         path = Path(m.path)
+    damaged = check_model_files(path)
+    if damaged:
+        it = "it" if len(damaged) == 1 else "them"
+        where, fix = ((f" ({path})", f"delete {path}: it is converted again on the next start")
+                      if m.path == "smollm2" else ("", f"re-download or re-convert {it}"))
+        raise PreflightError(f"model.path={m.path!r}{where}: " + "; ".join(damaged) + f"; {fix}")
     try:
         spec = check_checkpoint(path, tokenizer=cfg.data.task in CHAT_TASKS)
     except CheckpointError as error:
         raise PreflightError(f"model.path={m.path!r}: {error}") from None
     return path, spec
+
+
+def check_model_files(path: Path) -> list[str]:
+    """What is wrong with each file of the model directory ``path`` that the run would read (the
+    weights without loading a tensor): one problem per damaged file, none for missing ones (those
+    are ``check_checkpoint``'s)."""
+    from megatron_bubblespec.models.architecture import weight_files
+
+    if not path.is_dir():
+        return []
+    problems = [p for name in JSON_FILES if (p := _json_problem(path / name))]
+    problems += [p for name in TEXT_FILES if (p := _text_problem(path / name))]
+    if (path / "tokenizer.model").is_file() and (path / "tokenizer.model").stat().st_size == 0:
+        problems.append("tokenizer.model is empty (0 bytes)")
+    index = _index(path)
+    for shard in weight_files(path, []):
+        if not shard.is_file():
+            continue                     # check_checkpoint names the missing shards
+        if shard.suffix == ".safetensors":
+            problem = _safetensors_problem(shard, index.get(shard.name, ()))
+        else:
+            problem = _torch_archive_problem(shard)
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def _unreadable(file: Path, error: OSError) -> str:
+    return f"{file.name} cannot be read ({error.strerror or error})"
+
+
+def _json_problem(file: Path) -> str | None:
+    if not file.is_file():
+        return None
+    try:
+        json.loads(file.read_bytes().decode("utf-8"))
+    except OSError as error:
+        return _unreadable(file, error)
+    except UnicodeDecodeError as error:
+        return (f"{file.name} is truncated or corrupt (not UTF-8 text: byte {error.start} is "
+                f"0x{error.object[error.start]:02x})")
+    except json.JSONDecodeError as error:
+        what = "empty" if not error.doc.strip() else \
+            f"not valid JSON: {error.msg}, line {error.lineno} column {error.colno}"
+        return f"{file.name} is truncated or corrupt ({what})"
+    return None
+
+
+def _text_problem(file: Path) -> str | None:
+    if not file.is_file():
+        return None
+    try:
+        file.read_bytes().decode("utf-8")
+    except OSError as error:
+        return _unreadable(file, error)
+    except UnicodeDecodeError as error:
+        return f"{file.name} is corrupt (not UTF-8 text: byte {error.start})"
+    return None
+
+
+def _index(path: Path) -> dict[str, list[str]]:
+    """shard file name -> the tensor names model.safetensors.index.json puts in it ({} if none or
+    unreadable: the JSON check and check_checkpoint say so)."""
+    try:
+        weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+        shards: dict[str, list[str]] = {}
+        for tensor, shard in weight_map.items():
+            shards.setdefault(shard, []).append(tensor)
+        return shards
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def _safetensors_problem(file: Path, indexed: list[str] | tuple = ()) -> str | None:
+    """The header of a safetensors file read twice, without loading a tensor: by hand, so that a
+    file cut in its data section says how many bytes are missing; then by safetensors itself
+    (``safe_open`` and its tensor names), which the ranks use to load it."""
+    from safetensors import safe_open
+
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+            header = f.read(length) if length is not None and length <= size else b""
+    except OSError as error:
+        return _unreadable(file, error)
+    if length is not None and len(header) == length:
+        try:
+            entries = json.loads(header)
+            end = max((e["data_offsets"][1] for k, e in entries.items() if k != "__metadata__"),
+                      default=0)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+            end = None                   # safetensors' own message below says what is wrong
+        if end is not None and size < 8 + length + end:
+            return (f"{file.name} is truncated ({size:,} bytes; its header describes "
+                    f"{8 + length + end:,}: the tensor data is cut short)")
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            names = set(f.keys())
+    except Exception as error:           # safetensors_rust.SafetensorError and kin
+        detail = str(error).removeprefix("Error while deserializing header: ")
+        return f"{file.name} is truncated or corrupt ({detail}; {size:,} bytes)"
+    absent = [t for t in indexed if t not in names]
+    if absent:
+        return (f"{file.name} lacks {len(absent)} of the tensors model.safetensors.index.json puts "
+                f"in it ({', '.join(sorted(absent)[:3])}{', ...' if len(absent) > 3 else ''})")
+    return None
+
+
+def _torch_archive_problem(file: Path) -> str | None:
+    """A torch.save file (a zip archive since torch 1.6): its directory must read and every
+    member lie inside the file. A legacy (pickle) file is not checked."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            magic = f.read(2)
+        if magic[:1] == b"\x80":           # pickle protocol marker: torch's legacy format
+            return None
+        with zipfile.ZipFile(file) as archive:
+            end = max((i.header_offset + i.compress_size for i in archive.infolist()), default=0)
+    except OSError as error:
+        return _unreadable(file, error)
+    except (zipfile.BadZipFile, ValueError, EOFError, struct.error) as error:
+        return f"{file.name} is truncated or corrupt (not a complete torch.save archive: {error})"
+    if end > size:
+        return f"{file.name} is truncated ({size:,} bytes; its archive directory describes {end:,})"
+    return None
 
 
 def _divisors(n: int) -> list[int]:

