@@ -14,7 +14,6 @@ from megatron_bubblespec.distributed.launch import launch_local
 from megatron_bubblespec.loop.replica import build_replica
 from megatron_bubblespec.loop.step import run_step
 from megatron_bubblespec.loop.train import _shutdown, train
-from megatron_bubblespec.spec.drafts import Draft
 
 pytestmark = pytest.mark.slow   # multi-process or real-model runs: minutes on 2 cores
 

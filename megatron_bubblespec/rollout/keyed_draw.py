@@ -125,7 +125,6 @@ def _torch_candidates(allowed: torch.Tensor, keys: torch.Tensor, positions: torc
     """(rows, ids, words, nan_rows) as ``hash_kernel.scan`` returns them (not in row order), on
     torch operations."""
     n, width = allowed.shape
-    device = allowed.device
     r1, r2 = row_words(keys, positions)
     nan_rows = torch.isnan(allowed).any(dim=-1)
     probe = torch.topk(allowed, min(PROBE, width), dim=-1).indices
