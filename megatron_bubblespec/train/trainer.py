@@ -37,6 +37,7 @@ import copy
 import math
 import time
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -251,6 +252,58 @@ def frozen_copy(model):
     return frozen.eval()
 
 
+class GRPOLossStep:
+    """Megatron's ``forward_step_func`` for a GRPO step: a micro-batch -> the model's output and
+    the loss function Megatron applies to its logits on the last stage -> (loss sum, token count,
+    metric sums). It keeps each micro-batch's token logprobs, so the step's own forward also gives
+    the logprobs under the weights before the update."""
+
+    def __init__(self, grpo: GRPOConfig, vocab_size: int, context_parallel: bool):
+        self.grpo, self.vocab_size, self.context_parallel = grpo, vocab_size, context_parallel
+        self.names: list[str] = []                # metric names, in the order of the sums
+        self.logprobs: list[torch.Tensor] = []    # per micro-batch (last stage), in order
+
+    def __call__(self, data_iterator, model):
+        mb: GRPOBatch = next(data_iterator)
+        tokens, labels = mb.tokens, None
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        per_token = [mb.old_logprobs, mb.response_mask, mb.ref_logprobs]
+        if self.context_parallel:
+            # This CP rank's share; a token's values move to the position predicting it.
+            shift = lambda t: torch.nn.functional.pad(t[:, 1:], (0, 1))  # noqa: E731
+            labels = shift(tokens)
+            present = [shift(t) for t in per_token if t is not None]
+            tokens, positions, labels, *present = context_parallel_split(
+                tokens, positions, labels, *present)
+            per_token = present + [None] * (3 - len(present))
+        return model(tokens, positions, None), partial(self.loss, tokens, labels, *per_token,
+                                                       mb.advantages)
+
+    def loss(self, tokens, labels, old_logprobs, response_mask, ref_logprobs, advantages,
+             logits):
+        """The micro-batch's loss from its logits (``labels``: the label-aligned targets under
+        context parallelism, else None: the tokens themselves, token-aligned)."""
+        if labels is not None:
+            logp, entropy = label_logprobs(logits, labels, self.vocab_size, with_entropy=True)
+        else:
+            logp, entropy = token_logprobs(logits, tokens, self.vocab_size, with_entropy=True)
+        self.logprobs.append(logp.detach().float())
+        loss_sum, sums = grpo_loss(logp, old_logprobs, advantages, response_mask, self.grpo,
+                                   ref_logp=ref_logprobs, entropy=entropy, num_tokens=1.0)
+        self.names[:] = sorted(sums)
+        count = response_mask.sum().to(torch.int)
+        return loss_sum, count, torch.stack([sums[k].float() for k in self.names])
+
+    def token_logprobs(self, seq: int) -> torch.Tensor | None:
+        """The step's logprobs as token-aligned [B, seq] rows (last stage; None elsewhere)."""
+        if not self.logprobs:
+            return None
+        step = torch.cat(self.logprobs)
+        if self.context_parallel:   # label-aligned CP shares -> whole token-aligned rows
+            step = torch.nn.functional.pad(context_parallel_gather(step), (1, 0))
+        return step[:, :seq]
+
+
 # ------------------------------------------------------------------------------------ trainer
 
 class TrainStep(NamedTuple):
@@ -372,66 +425,32 @@ class MegatronTrainer:
         if cp:   # whole 2 x CP chunks; the padding is outside the response mask
             batch = batch.padded_to(context_parallel_length(
                 seq, model_config(self.module).sequence_parallel))
-        padded_seq = batch.tokens.shape[1]
-        micro_batches = iter([batch.rows(slice(i, i + mbs)) for i in range(0, size, mbs)])
-        grpo, vocab = self.config.grpo, self.spec.vocab_size
-        names: list[str] = []
-        step_logprobs: list[torch.Tensor] = []   # last stage, micro-batch order
-
-        def forward_step(data_iterator, model):
-            mb = next(data_iterator)
-            tokens, old, mask, ref = mb.tokens, mb.old_logprobs, mb.response_mask, mb.ref_logprobs
-            positions = torch.arange(padded_seq, device=tokens.device).expand_as(tokens)
-            labels = None
-            if cp:   # this CP rank's share; a token's values move to the position predicting it
-                shift = lambda t: torch.nn.functional.pad(t[:, 1:], (0, 1))  # noqa: E731
-                labels, old, mask = shift(tokens), shift(old), shift(mask)
-                ref = None if ref is None else shift(ref)
-                tokens, positions, labels, old, mask, *rest = context_parallel_split(
-                    tokens, positions, labels, old, mask, *([] if ref is None else [ref]))
-                ref = rest[0] if rest else None
-            output = model(tokens, positions, None)
-
-            def loss_func(logits):
-                if cp:
-                    logp, entropy = label_logprobs(logits, labels, vocab, with_entropy=True)
-                else:
-                    logp, entropy = token_logprobs(logits, tokens, vocab, with_entropy=True)
-                step_logprobs.append(logp.detach().float())
-                loss_sum, sums = grpo_loss(logp, old, mb.advantages, mask, grpo, ref_logp=ref,
-                                           entropy=entropy, num_tokens=1.0)
-                names[:] = sorted(sums)
-                count = mask.sum().to(torch.int)
-                return loss_sum, count, torch.stack([sums[k].float() for k in names])
-
-            return output, loss_func
-
+        loss_step = GRPOLossStep(self.config.grpo, self.spec.vocab_size, cp)
         lr = float(self.optimizer.param_groups[0]["lr"])
         with megatron_cpu_mode():
             self.model.train()
             self.model.zero_grad_buffer()
             self.optimizer.zero_grad()
             sums = get_forward_backward_func()(
-                forward_step_func=forward_step, data_iterator=micro_batches, model=[self.model],
-                num_microbatches=size // mbs, seq_length=padded_seq, micro_batch_size=mbs,
-                forward_only=False)
+                forward_step_func=loss_step,
+                data_iterator=iter([batch.rows(slice(i, i + mbs)) for i in range(0, size, mbs)]),
+                model=[self.model], num_microbatches=size // mbs,
+                seq_length=batch.tokens.shape[1], micro_batch_size=mbs, forward_only=False)
             updated, grad_norm, _ = self.optimizer.step()
             if updated:
                 self.scheduler.step(increment=1)
                 self.steps += 1
-        metrics = self._global_metrics(names, sums if ps.is_pipeline_last_stage() else None)
-        step = torch.cat(step_logprobs) if step_logprobs else None
-        if cp and step is not None:   # label-aligned CP shares -> whole token-aligned rows
-            step = torch.nn.functional.pad(context_parallel_gather(step), (1, 0))[:, :seq]
-        logprobs = _broadcast_from_last_stage(step, (size, seq), self.device).cpu() \
-            * batch.response_mask[:, :seq].cpu()
+        metrics = self._global_metrics(loss_step.names,
+                                       sums if ps.is_pipeline_last_stage() else None)
+        logprobs = _broadcast_from_last_stage(loss_step.token_logprobs(seq), (size, seq),
+                                              self.device).cpu()
         metrics.update({
             "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
             "train/lr": lr,
             "train/update_skipped": float(not updated),
             "train/step_s": time.perf_counter() - start,
         })
-        return TrainStep(metrics, logprobs)
+        return TrainStep(metrics, logprobs * batch.response_mask[:, :seq].cpu())
 
     def _global_metrics(self, names: list[str],
                         sums: list[torch.Tensor] | None) -> dict[str, float]:
@@ -490,5 +509,5 @@ class MegatronTrainer:
         return Resharder(self.module, self.spec, **kwargs)
 
 
-__all__ = ["GRPOBatch", "MegatronTrainer", "TrainStep", "TrainerConfig", "frozen_copy", "gather_responses",
+__all__ = ["GRPOBatch", "GRPOLossStep", "MegatronTrainer", "TrainStep", "TrainerConfig", "frozen_copy", "gather_responses",
            "pack_sequences", "scatter_responses", "token_logprobs"]
