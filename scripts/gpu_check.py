@@ -1,12 +1,12 @@
 """The one-GPU check's stages (one registered function each) -> their results -> one short table
 printed last; exit status 1 when a stage neither passed nor was skipped.
 
-scripts/gpu_check.sh prepares the interpreter and runs this file with it; every stage then runs in
-a child process of that interpreter, in the repository root, under a time limit (SIGTERM to its
-process group, SIGKILL 10 s later, as ``timeout -k 10``). A stage is a function taking the Context
-and returning (result, detail), registered with ``@check(name, limit_s, need_s)``: at most
-``limit_s`` seconds, and ``need_s`` seconds that the stages before it leave for it; it runs in
-registration order and gets one row of the table.
+scripts/gpu_check.sh (through scripts/gpu_env.py) prepares the interpreter and runs this file with
+it; every stage then runs in a child process of that interpreter, in the repository root, under a
+time limit (SIGTERM to its process group, SIGKILL 10 s later, as ``timeout -k 10``). A stage is a
+function taking the Context and returning (result, detail), registered with ``@check(name, limit_s,
+need_s)``: at most ``limit_s`` seconds, and ``need_s`` seconds that the stages before it leave for
+it; it runs in registration order and gets one row of the table.
 
     python scripts/gpu_check.py                        the stages and the table
     python scripts/gpu_check.py --dry-run              the stages' limits and commands, the gpu

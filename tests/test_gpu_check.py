@@ -1,7 +1,9 @@
-"""scripts/gpu_check.py and scripts/gpu_check.sh without a GPU: the wrapper parses, the module
-imports without torch, its stages are registered in order with the time budgets they had, a
-failing or raising stage is reported and makes the exit status 1, a stage past its limit is
-stopped, and the summary prints the metrics' tables and then one table with the total last."""
+"""scripts/gpu_check.py, gpu_env.py and gpu_check.sh without a GPU: the wrapper parses, the
+modules import without torch (the set-up with the standard library alone), a given interpreter is
+used as it is and a machine without CUDA falls back to .venv, the stages are registered in order
+with the time budgets they had, a failing or raising stage is reported and makes the exit status
+1, a stage past its limit is stopped, and the summary prints the metrics' tables and then one
+table with the total last."""
 
 import dataclasses
 import importlib.util
@@ -148,3 +150,38 @@ def test_missing_requirements_leaves_torch_to_the_machine():
     out = subprocess.run([sys.executable, str(SCRIPT), "--missing-requirements"],
                          capture_output=True, text=True, check=True)
     assert not any(line.startswith("torch") for line in out.stdout.splitlines())
+
+
+@pytest.fixture()
+def gpu_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPU_CHECK_OUT", str(tmp_path))
+    spec = importlib.util.spec_from_file_location("gpu_env", ROOT / "scripts" / "gpu_env.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_interpreter_set_up_needs_only_the_standard_library():
+    code = ("import sys; sys.modules['torch'] = sys.modules['megatron_bubblespec'] = None; "
+            "import importlib.util as u; "
+            f"s = u.spec_from_file_location('gpu_env', {str(ROOT / 'scripts' / 'gpu_env.py')!r}); "
+            "m = u.module_from_spec(s); s.loader.exec_module(m); sys.exit(m.main(['--bogus']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 2 and "unknown argument" in out.stderr
+
+
+def test_a_given_interpreter_is_used_as_it_is(gpu_env, monkeypatch, capsys):
+    monkeypatch.setenv("BUBBLESPEC_PYTHON", "/opt/python/bin/python3")
+    assert gpu_env.choose_python(gpu_env.Setup()) == ("/opt/python/bin/python3", True)
+    assert "as it is" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_without_cuda_the_check_falls_back_to_the_venv_and_says_the_set_up_failed(gpu_env,
+                                                                                  monkeypatch):
+    if gpu_env.cuda_venv() or gpu_env.sees_cuda("python3"):
+        pytest.skip("this machine has a CUDA torch")
+    monkeypatch.delenv("BUBBLESPEC_PYTHON", raising=False)
+    monkeypatch.setenv("PYTHON", sys.executable)   # a torch without CUDA
+    python, ok = gpu_env.choose_python(gpu_env.Setup())
+    assert python == str(ROOT / ".venv" / "bin" / "python") and not ok
