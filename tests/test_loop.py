@@ -48,6 +48,20 @@ def test_bubblespec_on_and_off_give_identical_rollouts_losses_and_weights(runs):
         torch.testing.assert_close(tensor, off["weights"][name], rtol=1e-6, atol=1e-7, msg=name)
 
 
+def test_continuation_counts_add_up_over_its_sources(runs):
+    """configs/tiny.yaml proposes from every source; the per-source counts sum to the totals."""
+    on, off = runs
+    assert load_config(TINY).spec.proposal_sources == ["bubble", "prompt", "self"]
+    for record in on["records"]:
+        for kind in ("proposed", "accepted"):
+            total = record.get(f"spec/continuation_{kind}_tokens", 0)
+            parts = [v for k, v in record.items()
+                     if k.startswith(f"spec/continuation_{kind}_tokens/")]
+            assert sum(parts) == total, (record["step"], kind)
+    assert sum(r.get("spec/continuation_proposed_tokens", 0) for r in on["records"]) > 0
+    assert all(r.get("spec/continuation_proposed_tokens", 0) == 0 for r in off["records"])
+
+
 def test_drafts_are_accepted_and_save_decode_steps_from_step_two(runs):
     on, off = runs
     for step in range(1, 4):

@@ -225,11 +225,11 @@ def test_float64_engine_agrees_with_float32(checkpoint):
 
 def test_draft_pool_proposes_after_the_longest_suffix_match():
     pool = DraftPool([1, 2], [[3, 4, 5, 6, 7], [9, 4, 5, 8, 8]], min_match=2, max_match=4)
-    assert pool.propose([1, 2, 3, 4, 5], 2) == [6, 7]      # longest match: 3 4 5 in draft 0
-    assert pool.propose([0, 9, 4, 5], 3) == [8, 8]          # 9 4 5 in draft 1
-    assert pool.propose([7, 4, 5], 1) == [6]                # 4 5: earliest draft wins
-    assert pool.propose([5, 9], 2) == []                    # no match of >= 2 tokens
-    assert pool.propose([1, 2], 3) == [3, 4, 5]             # the prompt itself matches
+    assert pool.propose([1, 2, 3, 4, 5], 2) == ([6, 7], "bubble")   # longest: 3 4 5 in draft 0
+    assert pool.propose([0, 9, 4, 5], 3) == ([8, 8], "bubble")      # 9 4 5 in draft 1
+    assert pool.propose([7, 4, 5], 1) == ([6], "bubble")            # 4 5: earliest draft wins
+    assert pool.propose([5, 9], 2) == ([], None)                    # no match of >= 2 tokens
+    assert pool.propose([1, 2], 3) == ([3, 4, 5], "bubble")         # the prompt itself matches
     assert not DraftPool([1], [[]])
 
 

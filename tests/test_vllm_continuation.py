@@ -5,8 +5,10 @@ logprobs must stay within 1e-6 (CPU float32): true, corrupted, random, shifted a
 proposals, an EOS inside accepted proposals, continuation from a verified prefix, T = 1, greedy and
 T = 0.7 with top-p, and a batch where only some requests have a pool. The reference engine with
 continuation on proposes the same tokens (the same ``spec.pool.Continuation``), so it must agree
-token for token and in its proposed / accepted counts. Also: the version pin, the proposer's
-adaptive pause, and that proposals really do save engine steps (else the test would be vacuous).
+token for token and in its proposed / accepted counts. The same with every proposal source on
+(the prompt's text and the sample's own text besides the drafts), counted per source. Also: the
+version pin, the proposer's adaptive pause, the proposal index's sources, and that proposals
+really do save engine steps (else the test would be vacuous).
 
 One plain and one continuation engine per module on a tiny random Llama (vocab 256, head_dim 32).
 """
@@ -254,6 +256,64 @@ def test_continuation_pauses_after_misses():
     assert c.propose(context, budget=2) == [12, 13]   # the budget caps k
     assert c.propose(context, budget=0) == []
     assert (c.proposed, c.accepted) == (9, 2)
+
+
+ALL_SOURCES = ("bubble", "prompt", "self")
+
+
+def test_every_proposal_source_keeps_the_tokens_and_both_engines_agree(checkpoint, plain, prompts,
+                                                                      keys):
+    """Prompt and own-text proposals beside the drafts: the plain tokens, the same proposals and
+    per-source counts in both engines, and each source's proposals both accepted and rejected
+    over T = 1 and greedy (greedy text of a random model loops: its own text predicts it)."""
+    options = dict(speculative_continuation=True, spec_k=SPEC_K, spec_min_match=2,
+                   spec_max_match=8, proposal_sources=ALL_SOURCES)
+    engine = VLLMEngine(checkpoint, max_model_len=512, seed=0, **options)
+    reference, plain_reference = ReferenceEngine(checkpoint, **options), ReferenceEngine(checkpoint)
+    # prompts that quote the text the model goes on to write (greedy text of a random model
+    # loops), so the prompt source has something to propose
+    prompts = [p + r.token_ids[:24] for p, r in zip(prompts, plain["greedy"])]
+    totals = {source: [0, 0] for source in ALL_SOURCES}
+    for name in ("T1", "greedy"):
+        pools = _pools("siblings", [r.token_ids for r in plain[name]], seed=5)
+        base = plain_reference.generate(_requests(f"base-{name}", prompts, keys), PARAMS[name])
+        got = engine.generate(_requests(f"all-{name}", prompts, keys, pools), PARAMS[name])
+        ref = reference.generate(_requests(f"ref-all-{name}", prompts, keys, pools),
+                                 PARAMS[name])
+        for i, (v, r, b) in enumerate(zip(got, ref, base)):
+            assert v.token_ids == r.token_ids == b.token_ids, f"{name}, request {i}"
+            assert v.by_source == r.by_source, f"{name}, request {i}"
+            assert (v.proposed_tokens, v.accepted_tokens) == (
+                sum(p for p, _ in v.by_source.values()), sum(a for _, a in v.by_source.values()))
+            for source, (proposed, accepted) in v.by_source.items():
+                totals[source][0] += proposed
+                totals[source][1] += accepted
+        assert engine.last_engine_steps == reference.last_engine_steps, name
+    assert all(0 < accepted < proposed for proposed, accepted in totals.values()), totals
+
+
+def test_the_proposal_index_takes_the_longest_match_then_the_earlier_source():
+    prompt = [1, 2, 3, 4, 5, 6]
+    pool = DraftPool(prompt, [[7, 8, 9]], 2, 8, sources=ALL_SOURCES)
+    # "5 6" follows the prompt in the draft (prompt + draft) and nowhere else: the draft proposes
+    assert pool.propose(prompt, 3) == ([7, 8, 9], "bubble")
+    # "2 3" is in the prompt and in prompt + draft: the prompt comes first
+    assert pool.propose([9, 2, 3], 2) == ([4, 5], "prompt")
+    drafts_only = DraftPool(prompt, [[7, 8, 9]], 2, 8, sources=("bubble",))
+    assert drafts_only.propose([9, 2, 3], 2) == ([4, 5], "bubble")
+    # "8 9 4 5" in the own text is longer than "4 5" in the prompt: the longest match wins
+    longest = Continuation(DraftPool(prompt, [[7, 8, 9]], 2, 8, sources=ALL_SOURCES), k=3)
+    assert longest.propose(prompt + [8, 9, 4, 5, 30, 8, 9, 4, 5], budget=10) == [30, 8, 9]
+    assert longest.pool.propose(prompt + [8, 9, 4, 5, 30, 8, 9, 4, 5], 3)[1] == "self"
+    own = DraftPool(prompt, [], 2, 8, sources=("self",))
+    text = prompt + [20, 21, 22, 23, 20, 21]
+    assert own.propose(text, 3) == ([], None)        # nothing observed yet
+    c = Continuation(own, k=3)
+    assert c.propose(text, budget=10) == [22, 23, 20]   # observed, then "20 21" -> "22 23 20"
+    c.record([22, 23, 20], 2)
+    assert c.counts == {"self": [3, 2]} and (c.proposed, c.accepted) == (3, 2)
+    with pytest.raises(ValueError, match="unknown proposal sources"):
+        DraftPool(prompt, [], sources=("elsewhere",))
 
 
 def test_patches_refuse_another_vllm_version(monkeypatch):

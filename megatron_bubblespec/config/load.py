@@ -17,7 +17,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from megatron_bubblespec.config.schema import BOUNDS, CHOICES, Config
+from megatron_bubblespec.config.schema import BOUNDS, CHOICES, PROPOSAL_SOURCES, Config
 
 VLLM_MAX_SPEC_TOKENS = 128   # proposed tokens per request and step vLLM's spec decoding takes
 
@@ -107,6 +107,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError("parallel.sequence_parallel=true splits sequences over the tensor-"
                           "parallel group: it needs parallel.tensor > 1")
     _check_rollout_tensor_parallel(cfg)
+    unknown = sorted(set(cfg.spec.proposal_sources) - set(PROPOSAL_SOURCES))
+    if unknown:
+        raise ConfigError(f"spec.proposal_sources has {unknown}; choose from "
+                          f"{list(PROPOSAL_SOURCES)} "
+                          "(for example spec.proposal_sources=[bubble,prompt,self])")
     _check_gpu_memory_switches(cfg)
     if cfg.rollout.prompts_per_step % p.data:
         raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible "

@@ -75,6 +75,9 @@ class SpecConfig:
     draft_chunk: int = 2            # samples claimed from the shared cursor at a time
     draft_in_flight: int = 32       # next-step samples a drafting rank keeps in its engine at once
     speculative_continuation: bool = True
+    # what a decoding sample proposes from (spec.pool): its prompt's bubble drafts, the prompt's
+    # text, its own text so far; each switchable, each counted in spec/continuation_*/<source>
+    proposal_sources: list[str] = field(default_factory=lambda: ["bubble"])
     spec_k: int = 4
     min_match: int = 2
     max_match: int = 8
@@ -126,6 +129,9 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     config_path: Optional[str] = None
 
+
+# What speculative continuation proposes from (``spec.pool``, where each is described).
+PROPOSAL_SOURCES = ("bubble", "prompt", "self")
 
 CHOICES = {
     "rollout.engine": ("vllm", "reference"),

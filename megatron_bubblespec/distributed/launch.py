@@ -9,8 +9,9 @@ to the ranks (preemption: they checkpoint and exit; a rank stuck in a collective
 its grace period, naming the stage).
 
 Ranks start from multiprocessing's fork server, preloaded with torch, megatron-core and vLLM
-(``distributed.preload``): a rank no longer spends its first ~20 s of CPU importing them. With a
-CUDA device, or with ``BUBBLESPEC_START_METHOD=spawn``, every rank is spawned afresh instead.
+(``PRELOAD``, the module ``loop.preload``, named here and imported only by the fork server): a
+rank no longer spends its first ~20 s of CPU importing them. With a CUDA device, or with
+``BUBBLESPEC_START_METHOD=spawn``, every rank is spawned afresh instead.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch.multiprocessing as mp
 
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 START_METHOD_ENV = "BUBBLESPEC_START_METHOD"
+PRELOAD = "megatron_bubblespec.loop.preload"
 
 
 class RankFailure(RuntimeError):
@@ -45,6 +47,8 @@ def free_port() -> int:
 
 
 def _rank_entry(rank: int, fn, world_size: int, port: int, outdir: str, env: dict, args: tuple):
+    for stop in (signal.SIGUSR1, signal.SIGTERM):   # the fork server ignores them (loop.preload)
+        signal.signal(stop, signal.SIG_DFL)
     os.environ.update(env)
     if "VLLM_LOGGING_LEVEL" in env:   # read when vLLM is imported, maybe before this rank began
         logging.getLogger("vllm").setLevel(env["VLLM_LOGGING_LEVEL"])
@@ -97,7 +101,7 @@ def _start_method() -> str:
     if method not in ("spawn", "forkserver"):
         raise ValueError(f"{START_METHOD_ENV}={method!r}: use spawn or forkserver")
     if method == "forkserver":
-        mp.set_forkserver_preload(["megatron_bubblespec.distributed.preload"])
+        mp.set_forkserver_preload([PRELOAD])
     return method
 
 

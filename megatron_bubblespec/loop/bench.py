@@ -73,6 +73,7 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from megatron_bubblespec.config.schema import PROPOSAL_SOURCES
 from megatron_bubblespec.machine import machine_info
 from megatron_bubblespec.metrics import to_json
 from megatron_bubblespec.metrics.aggregate import ratio
@@ -118,6 +119,12 @@ SUMMARY_ROWS = (
     ("continuation proposed tokens", "continuation_proposed_tokens", count),
     ("continuation accepted tokens", "continuation_accepted_tokens", count),
     ("continuation accept rate (accepted / proposed)", "continuation_accept_rate", percent),
+    ("continuation proposed tokens from bubble", "continuation_proposed_tokens_bubble", count),
+    ("continuation accepted tokens from bubble", "continuation_accepted_tokens_bubble", count),
+    ("continuation proposed tokens from prompt", "continuation_proposed_tokens_prompt", count),
+    ("continuation accepted tokens from prompt", "continuation_accepted_tokens_prompt", count),
+    ("continuation proposed tokens from self", "continuation_proposed_tokens_self", count),
+    ("continuation accepted tokens from self", "continuation_accepted_tokens_self", count),
     ("bubble ratio, off run (all steps)", "bubble_ratio_off", percent),
     ("bubble ratio, on run (all steps)", "bubble_ratio_on", percent),
     ("bubble utilization (drafting / idle), on run (all steps)", "bubble_utilization", percent),
@@ -228,6 +235,9 @@ def compare_steps(on: Sequence[Record], off: Sequence[Record], plain: Sequence[R
         "continuation_proposed_tokens": proposed,
         "continuation_accepted_tokens": continued,
         "continuation_accept_rate": ratio(continued, proposed),
+        **{f"continuation_{kind}_tokens_{source}":
+           total_of(on, f"spec/continuation_{kind}_tokens/{source}")
+           for source in PROPOSAL_SOURCES for kind in ("proposed", "accepted")},
     }
 
 

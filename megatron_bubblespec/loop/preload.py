@@ -10,14 +10,21 @@ libraries and run nothing else (no threads, no process group, no engine, no CUDA
 The imports see the environment a rank sets before it imports them
 (``logs.quiet_native_warnings``, ``vllm_engine.prepare_environment``), and what they print goes to
 /dev/null (unless ``BUBBLESPEC_VERBOSE`` is set): a rank routes its own output to
-``<run>/logs/``. A failed import here only costs time
-(multiprocessing ignores it; the rank imports the module itself).
+``<run>/logs/``. A failed import here only costs time (multiprocessing ignores it; the rank
+imports the module itself).
+
+The fork server shares the launcher's process group, so a signal sent to the whole job (Slurm's
+SIGUSR1 / SIGTERM before the time limit, ``kill -- -PGID``) reaches it too; it ignores them (its
+ranks get the launcher's forwarded signals, and it exits with the launcher). Each rank restores
+the default actions first thing (``distributed.launch``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import sys
 import warnings
 
 from megatron_bubblespec import logs
@@ -55,4 +62,11 @@ def preload() -> None:
             __import__(name)
 
 
-preload()   # the fork server imports this module by name: importing it is the preload
+def _in_fork_server() -> bool:
+    return sys.argv[:1] == ["-c"] and "multiprocessing.forkserver" in sys.modules
+
+
+if _in_fork_server():   # the fork server imports this module by name: importing it is the preload
+    for stop in (signal.SIGUSR1, signal.SIGTERM):
+        signal.signal(stop, signal.SIG_IGN)
+    preload()

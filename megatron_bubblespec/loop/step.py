@@ -316,6 +316,7 @@ def engine_metrics(rep: Replica, mine: EngineRollout, drafted: list[int], accept
         "rollout/engine_steps": mine.engine_steps,
         "spec/continuation_proposed_tokens": sum(r.proposed_tokens for r in results),
         "spec/continuation_accepted_tokens": sum(r.accepted_tokens for r in results),
+        **continuation_by_source(results),
         "rollout/tokens": sum(lengths),
         "rollout/max_response_len": max(lengths, default=0),
         "train/reward_mean": sum(x.total for x in rewards) / max(len(rewards), 1),
@@ -329,6 +330,17 @@ def engine_metrics(rep: Replica, mine: EngineRollout, drafted: list[int], accept
     }
     if verified:
         metrics["spec/accepted_prefix_mean"] = sum(verified) / len(verified)
+    return metrics
+
+
+def continuation_by_source(results) -> dict:
+    """spec/continuation_{proposed,accepted}_tokens/<source>, summed over the results."""
+    metrics: dict = {}
+    for r in results:
+        for source, (proposed, accepted) in r.by_source.items():
+            for kind, n in (("proposed", proposed), ("accepted", accepted)):
+                key = f"spec/continuation_{kind}_tokens/{source}"
+                metrics[key] = metrics.get(key, 0) + n
     return metrics
 
 

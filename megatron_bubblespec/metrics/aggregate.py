@@ -29,6 +29,8 @@ SUMMED = (
     "spec/continuation_accepted_tokens",
     "sync/reshard_bytes",
 )
+# Summed too: the continuation's counts per proposal source, ``<prefix><source>``.
+SUMMED_PREFIXES = ("spec/continuation_proposed_tokens/", "spec/continuation_accepted_tokens/")
 # Wall times every rank waits for, and worst cases: the step's value is the slowest / worst rank.
 MAXED = (
     "rollout/time_s",
@@ -99,7 +101,7 @@ def aggregate_step(step: int, rank_metrics: Sequence[Mapping[str, float | None]]
     Rules (``n`` ranks, ``T`` = the step's rollout wall time = max over ranks of rollout/time_s):
 
     * sums: ``SUMMED`` (decode steps, tokens, drafted / accepted counts, bubble seconds as
-      rank-seconds, reshard bytes);
+      rank-seconds, reshard bytes) and the continuation's counts per proposal source;
     * max: ``MAXED`` (rollout/time_s, max_response_len, engine steps (the straggler's: what the
       step waits for), verify / reshard wall time, logprob gap); rollout/engine_steps_sum = the sum
       of the ranks' engine steps (the compute spent);
@@ -126,7 +128,8 @@ def aggregate_step(step: int, rank_metrics: Sequence[Mapping[str, float | None]]
     if not rank_metrics:
         raise ValueError(f"step {step}: no rank metrics to aggregate; pass one dict per DP rank")
     for r, metrics in enumerate(rank_metrics):
-        unknown = sorted(set(metrics) - set(REPORTED))
+        unknown = sorted(k for k in set(metrics) - set(REPORTED)
+                         if not k.startswith(SUMMED_PREFIXES))
         if unknown:
             hint = ("they are computed from the aggregated sums; do not report them"
                     if set(unknown) <= set(DERIVED) else f"known metrics: {', '.join(REPORTED)}")
@@ -136,7 +139,8 @@ def aggregate_step(step: int, rank_metrics: Sequence[Mapping[str, float | None]]
         return [m[key] for m in rank_metrics if m.get(key) is not None]
 
     record: dict = {"step": step, "rollout/engines": len(rank_metrics)}
-    for key in SUMMED:
+    by_source = sorted({k for m in rank_metrics for k in m if k.startswith(SUMMED_PREFIXES)})
+    for key in (*SUMMED, *by_source):
         if values := reported(key):
             record[key] = sum(values)
     for key in MAXED:

@@ -26,7 +26,8 @@ def engine_options(cfg) -> dict[str, Any]:
                 keep_previous_weights=s.enabled and s.rule != "keyed",
                 sleep_mode=r.sleep_during_train,
                 speculative_continuation=s.enabled and s.speculative_continuation,
-                spec_k=s.spec_k, spec_min_match=s.min_match, spec_max_match=s.max_match)
+                spec_k=s.spec_k, spec_min_match=s.min_match, spec_max_match=s.max_match,
+                proposal_sources=tuple(s.proposal_sources))
 
 
 def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | None = None,
@@ -37,7 +38,7 @@ def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | N
     """Start an engine of ``kind`` on the HF directory ``path``.
 
     ``continuation`` (``speculative_continuation``, ``spec_k``, ``spec_min_match``,
-    ``spec_max_match``) configures speculative continuation; ``keep_previous_weights`` keeps the
+    ``spec_max_match``, ``proposal_sources``) configures speculative continuation; ``keep_previous_weights`` keeps the
     drafting policy the reference engine needs for the ablation rules; ``keyed=False`` gives a vLLM
     engine on vLLM's own sampler (the benchmark's baseline, see ``VLLMEngine``); ``sleep_mode``
     lets a GPU vLLM engine free its memory while Megatron trains. With ``tensor_parallel`` > 1

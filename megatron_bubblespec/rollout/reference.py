@@ -3,7 +3,7 @@
 Batched KV-cache decoding in float32 or float64, with the project's keyed sampler at absolute
 response positions. Each ``step`` prefills newly added requests (their first token comes from the
 prefill) and gives every running request one decode forward. With speculative continuation on, a
-running request whose draft pool has a match proposes up to ``spec_k`` tokens, and the same forward
+running request whose proposal index (``spec.pool``) has a match proposes up to ``spec_k`` tokens, and the same forward
 verifies them with the keyed rule (``spec.verify_keyed``): rejected proposals cost nothing but the
 wasted columns, since the slot's length is simply not advanced past them.
 """
@@ -57,6 +57,7 @@ class ReferenceEngine(RolloutEngine):
     def __init__(self, model_path: str | Path, *, dtype: torch.dtype = torch.float32,
                  max_model_len: int | None = None, speculative_continuation: bool = False,
                  spec_k: int = 4, spec_min_match: int = 2, spec_max_match: int = 8,
+                 proposal_sources: tuple[str, ...] = ("bubble",),
                  keep_previous_weights: bool = False):
         """``keep_previous_weights``: also hold the policy before the latest ``update_weights``
         (``previous_model``), the drafting policy that the residual and lenient rules need."""
@@ -66,6 +67,7 @@ class ReferenceEngine(RolloutEngine):
                                if keep_previous_weights else None)
         self.speculative_continuation = speculative_continuation
         self.spec_k, self.spec_min_match, self.spec_max_match = spec_k, spec_min_match, spec_max_match
+        self.proposal_sources = tuple(proposal_sources)
         self._waiting: list[tuple[RolloutRequest, SamplingParams]] = []
         self._running: dict[str, _Running] = {}
 
@@ -168,9 +170,10 @@ class ReferenceEngine(RolloutEngine):
     # ------------------------------------------------------------------ internals
     def _admit(self, request: RolloutRequest, params: SamplingParams) -> _Running:
         state = _Running(request, params, self.model.cache.acquire(), list(request.response_prefix))
-        if self.speculative_continuation and request.draft_pool:
+        if self.speculative_continuation and (request.draft_pool or
+                                              set(self.proposal_sources) - {"bubble"}):
             pool = DraftPool(request.prompt_token_ids, request.draft_pool,
-                             self.spec_min_match, self.spec_max_match)
+                             self.spec_min_match, self.spec_max_match, self.proposal_sources)
             state.continuation = Continuation(pool, self.spec_k) if pool else None
         self._running[request.request_id] = state
         return state
@@ -245,4 +248,5 @@ class ReferenceEngine(RolloutEngine):
         self.model.cache.release(s.slot)
         c = s.continuation
         return RolloutResult(s.request.request_id, s.response, s.logprobs, s.decode_steps,
-                             s.finish_reason, c.proposed if c else 0, c.accepted if c else 0)
+                             s.finish_reason, c.proposed if c else 0, c.accepted if c else 0,
+                             {k: (p, a) for k, (p, a) in c.counts.items()} if c else {})

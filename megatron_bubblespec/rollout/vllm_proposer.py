@@ -5,14 +5,15 @@ runner and calls ``propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu,
 engine step; it returns one list of proposed token ids per batch row (empty allowed). The call
 carries no request ids, so the proposer keeps the runner that built it (found by walking up the
 call frames of ``__init__``) and reads ``runner.input_batch.req_ids`` and each request's sampling
-params. A request takes part when its ``extra_args[POOL_ARGS_KEY]`` holds the prompt's drafts and
-the continuation options; the proposals and the adaptive pause are ``spec.pool.Continuation``'s,
-the same object the reference engine uses, so both engines propose the same tokens.
+params. A request takes part when its ``extra_args[POOL_ARGS_KEY]`` holds the prompt's drafts,
+the proposal sources and the continuation options; the proposals and the adaptive pause are
+``spec.pool.Continuation``'s, the same object the reference engine uses, so both engines propose
+the same tokens.
 
 Each row's sampled tokens settle the proposal made for it one step earlier: all but the last were
 accepted (vLLM's greedy rejection sampler, run on the keyed tokens, see ``vllm_patches``), counted
-up to the response's first EOS. The engine collects the totals with ``pop_counts`` (through
-``collective_rpc``) when a request finishes or is aborted.
+up to the response's first EOS. The engine collects the totals per source with ``pop_counts``
+(through ``collective_rpc``) when a request finishes or is aborted.
 """
 
 from __future__ import annotations
@@ -27,18 +28,17 @@ POOL_ARGS_KEY = "bubblespec_pool"
 
 
 def pool_extra_args(prompt_len: int, drafts: list[list[int]], k: int, min_match: int,
-                    max_match: int) -> dict:
+                    max_match: int, sources: tuple[str, ...] = ("bubble",)) -> dict:
     """What a request carries in ``SamplingParams.extra_args[POOL_ARGS_KEY]`` (``prompt_len``:
     the prompt's length without the response prefix that vLLM receives as part of it)."""
     return {"prompt_len": int(prompt_len), "drafts": [list(d) for d in drafts], "k": int(k),
-            "min_match": int(min_match), "max_match": int(max_match)}
+            "min_match": int(min_match), "max_match": int(max_match), "sources": list(sources)}
 
 
 @dataclass
 class _Request:
     continuation: Continuation
     eos_token_ids: frozenset[int]
-    max_match: int
     pending: list[int] = field(default_factory=list)   # proposed for the step now running
 
 
@@ -64,7 +64,7 @@ class PoolProposer:
         vllm_patches.install()   # the runner builds its logits processors after its proposer
         self.runner = _model_runner()
         self.requests: dict[str, _Request] = {}
-        self.finished: dict[str, tuple[int, int]] = {}   # request id -> (proposed, accepted)
+        self.finished: dict[str, dict] = {}   # request id -> source -> (proposed, accepted)
 
     def load_model(self, *args, **kwargs) -> None:
         """Nothing to load (vLLM's CPU runner calls this for every proposer)."""
@@ -79,11 +79,11 @@ class PoolProposer:
         if not spec:
             return None
         prompt = cached.prompt_token_ids[:spec["prompt_len"]]   # vLLM's prompt holds the prefix too
-        pool = DraftPool(prompt, spec["drafts"], spec["min_match"], spec["max_match"])
+        pool = DraftPool(prompt, spec["drafts"], spec["min_match"], spec["max_match"],
+                         spec["sources"])
         if not pool:
             return None
-        state = _Request(Continuation(pool, spec["k"]), frozenset(params.stop_token_ids or ()),
-                         spec["max_match"])
+        state = _Request(Continuation(pool, spec["k"]), frozenset(params.stop_token_ids or ()))
         self.requests[request_id] = state
         return state
 
@@ -103,8 +103,8 @@ class PoolProposer:
             n_tokens = int(num_tokens_no_spec[row])
             generated = n_tokens - int(batch.num_prompt_tokens[row])
             max_tokens = self.runner.requests[request_id].sampling_params.max_tokens
-            context = token_ids_cpu[row, max(0, n_tokens - state.max_match):n_tokens].tolist()
-            state.pending = state.continuation.propose(context, max_tokens - generated - 1)
+            text = token_ids_cpu[row, :n_tokens]   # prompt + response so far (a view)
+            state.pending = state.continuation.propose(text, max_tokens - generated - 1)
             proposals.append(list(state.pending))
         self._retire()
         return proposals
@@ -112,17 +112,21 @@ class PoolProposer:
     def _retire(self) -> None:
         """Move the totals of requests the runner no longer holds to ``finished``."""
         for request_id in [r for r in self.requests if r not in self.runner.requests]:
-            c = self.requests.pop(request_id).continuation
-            self.finished[request_id] = (c.proposed, c.accepted)
+            self.finished[request_id] = _counts(self.requests.pop(request_id).continuation)
 
-    def pop_counts(self, request_ids) -> dict[str, tuple[int, int]]:
-        """(proposed, accepted) per request id, forgetting them (finished or aborted requests)."""
+    def pop_counts(self, request_ids) -> dict[str, dict[str, tuple[int, int]]]:
+        """Per request id, (proposed, accepted) tokens per source, forgetting them (finished or
+        aborted requests)."""
         counts = {}
         for request_id in request_ids:
             state = self.requests.pop(request_id, None)
             done = self.finished.pop(request_id, None)
             if state is not None:
-                done = (state.continuation.proposed, state.continuation.accepted)
+                done = _counts(state.continuation)
             if done is not None:
                 counts[request_id] = done
         return counts
+
+
+def _counts(continuation: Continuation) -> dict[str, tuple[int, int]]:
+    return {source: (p, a) for source, (p, a) in continuation.counts.items()}

@@ -52,8 +52,9 @@ class RolloutResult:
     logprobs: list[float]          # one per response token
     decode_steps: int              # forward passes after prefill that gave this request tokens
     finish_reason: str             # "eos" | "length" | "aborted"
-    proposed_tokens: int = 0       # speculative continuation: tokens proposed from the draft pool
+    proposed_tokens: int = 0       # speculative continuation: tokens proposed (all sources)
     accepted_tokens: int = 0       # ... and accepted by the keyed rule
+    by_source: dict[str, tuple[int, int]] = field(default_factory=dict)  # source -> (proposed, accepted)
 
     @property
     def finished(self) -> bool:

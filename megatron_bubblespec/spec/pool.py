@@ -1,43 +1,88 @@
-"""Draft pool: a prompt's drafts + a sample's text so far -> the next k tokens to propose.
+"""Proposal index: a sample's sources (its prompt's bubble drafts, the prompt, its own text so far)
++ its text so far -> the next k tokens to propose, and which source proposed them.
 
-Speculative continuation after a divergence: the sample's own draft stops matching, but the drafts
-of the same prompt (its siblings, made by the older policy in the bubble) often continue the same
-way. The pool indexes every n-gram of ``prompt + draft`` for n in [min_match, max_match] and
-proposes what followed the longest suffix of the current context that it has seen (earliest
-draft first on ties). Proposals are only proposals: the keyed verifier decides, so any pool is exact.
+Speculative continuation: while a sample decodes, it proposes tokens that followed the longest
+suffix of its current text seen in one of its sources; the keyed verifier decides, so any source is
+exact. The sources (``spec.proposal_sources``, each switchable):
+
+* ``bubble``: the drafts of the same prompt made by the older policy in the bubble (its siblings'
+  and its own, after a divergence; each indexed as prompt + draft);
+* ``prompt``: the prompt's text (a response often quotes the question's numbers and phrases);
+* ``self``: the sample's own response so far, indexed online as it grows (repetitions).
+
+One index per sample: every n-gram (n in [min_match, max_match]) of every source sequence -> the
+first place it occurred, so the longest suffix match wins and, among equal lengths, the prompt,
+then the drafts (as prompt + draft: without the prompt source, matches inside the prompt are the
+drafts'), then the own text.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+from megatron_bubblespec.config.schema import PROPOSAL_SOURCES as SOURCES
+
 
 class DraftPool:
     def __init__(self, prompt: Sequence[int], drafts: Sequence[Sequence[int]],
-                 min_match: int = 2, max_match: int = 8):
+                 min_match: int = 2, max_match: int = 8, sources: Sequence[str] = ("bubble",)):
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
+        unknown = sorted(set(sources) - set(SOURCES))
+        if unknown:
+            raise ValueError(f"unknown proposal sources {unknown}; known: {', '.join(SOURCES)}")
         self.min_match, self.max_match = min_match, max_match
-        self.sequences = [list(prompt) + list(d) for d in drafts if d]
+        self.prompt_len = len(prompt)
+        self.sequences: list[list[int]] = []
+        self.source_of: list[str] = []
         self.index: dict[tuple[int, ...], tuple[int, int]] = {}
-        for s, seq in enumerate(self.sequences):
-            for end in range(1, len(seq)):  # an n-gram ending before the last token has a follower
-                for n in range(min_match, min(max_match, end) + 1):
-                    self.index.setdefault(tuple(seq[end - n:end]), (s, end))
+        if "prompt" in sources:
+            self._add(list(prompt), "prompt")
+        if "bubble" in sources:
+            for d in drafts:
+                if d:
+                    self._add(list(prompt) + list(d), "bubble")
+        self.own: int | None = None   # the sample's own response, when ``self`` is a source
+        if "self" in sources:
+            self.own = len(self.sequences)
+            self.sequences.append([])
+            self.source_of.append("self")
+
+    def _add(self, seq: list[int], source: str) -> None:
+        self.sequences.append(seq)
+        self.source_of.append(source)
+        self._index_ends(len(self.sequences) - 1, range(1, len(seq)))
+
+    def _index_ends(self, s: int, ends: range) -> None:
+        """n-grams of sequence ``s`` ending before each ``end`` (so each has a follower)."""
+        seq = self.sequences[s]
+        for end in ends:
+            for n in range(self.min_match, min(self.max_match, end) + 1):
+                self.index.setdefault(tuple(seq[end - n:end]), (s, end))
 
     def __bool__(self) -> bool:
         return bool(self.sequences)
 
-    def propose(self, context: Sequence[int], k: int) -> list[int]:
-        """Up to k tokens that followed the longest matching suffix of ``context`` (or [])."""
+    def observe(self, context: Sequence[int]) -> None:
+        """The sample's text so far (prompt + response): index its new response tokens."""
+        if self.own is None:
+            return
+        own = self.sequences[self.own]
+        start = len(own)
+        own.extend(int(t) for t in context[self.prompt_len + start:])
+        self._index_ends(self.own, range(max(1, start), len(own)))
+
+    def propose(self, context: Sequence[int], k: int) -> tuple[list[int], str | None]:
+        """Up to k tokens that followed the longest matching suffix of ``context``, and their
+        source ([] and None without a match)."""
         if k <= 0:
-            return []
+            return [], None
         for n in range(min(self.max_match, len(context)), self.min_match - 1, -1):
-            hit = self.index.get(tuple(context[len(context) - n:]))
+            hit = self.index.get(tuple(int(t) for t in context[len(context) - n:]))
             if hit is not None:
                 s, end = hit
-                return self.sequences[s][end:end + k]
-        return []
+                return self.sequences[s][end:end + k], self.source_of[s]
+        return [], None
 
 
 class Continuation:
@@ -48,7 +93,9 @@ class Continuation:
     After ``MISSES_BEFORE_PAUSE`` proposals in a row with nothing accepted, the sample stops
     proposing for a number of its decode steps that doubles with every pause (at most
     ``MAX_PAUSE``); an accepted token resets both. Both engines call ``propose`` once per decode
-    step and ``record`` once per verified proposal, so they propose the same tokens.
+    step with the sample's whole text (prompt + response) and ``record`` once per verified
+    proposal, so they propose the same tokens. ``counts`` holds (proposed, accepted) tokens per
+    source.
     """
 
     MISSES_BEFORE_PAUSE = 2
@@ -58,23 +105,36 @@ class Continuation:
         if k < 1:
             raise ValueError(f"need k >= 1 proposed tokens, got {k}")
         self.pool, self.k = pool, k
-        self.proposed = self.accepted = 0      # totals over the sample
+        self.counts: dict[str, list[int]] = {}   # source -> [proposed, accepted]
+        self._source: str | None = None          # of the proposal awaiting its verdict
         self._misses = self._pause = self._waiting = 0
 
+    @property
+    def proposed(self) -> int:
+        return sum(p for p, _ in self.counts.values())
+
+    @property
+    def accepted(self) -> int:
+        return sum(a for _, a in self.counts.values())
+
     def propose(self, context: Sequence[int], budget: int) -> list[int]:
-        """Up to min(k, budget) tokens for the next decode step (``budget``: tokens the response
-        may still take after the one this step surely emits)."""
+        """Up to min(k, budget) tokens for the next decode step (``context``: the sample's text,
+        prompt + response; ``budget``: tokens the response may still take after the one this step
+        surely emits)."""
+        self.pool.observe(context)
         if self._waiting > 0:
             self._waiting -= 1
             return []
-        return self.pool.propose(context, min(self.k, budget))
+        proposal, self._source = self.pool.propose(context, min(self.k, budget))
+        return proposal
 
     def record(self, proposal: Sequence[int], accepted: int) -> None:
         """The verifier kept the first ``accepted`` tokens of ``proposal``."""
         if not proposal:
             return
-        self.proposed += len(proposal)
-        self.accepted += accepted
+        counts = self.counts.setdefault(self._source or "bubble", [0, 0])
+        counts[0] += len(proposal)
+        counts[1] += accepted
         if accepted:
             self._misses = self._pause = 0
             return
@@ -82,4 +142,3 @@ class Continuation:
         if self._misses >= self.MISSES_BEFORE_PAUSE:
             self._pause = min(self.MAX_PAUSE, max(1, 2 * self._pause))
             self._waiting, self._misses = self._pause, 0
-
