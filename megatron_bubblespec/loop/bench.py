@@ -40,9 +40,9 @@ directory ``<run.name>-plain``; ``plain=False`` / ``--no-plain`` skips it) and c
   lower bound from the verified prefixes), ``decode_steps_ratio_ceiling`` = 1 - accept_per_token x
   draft_coverage (the lowest decode steps ratio exact verification allows with these drafts) and
   ``decode_steps_ratio_ceiling_full_coverage`` = 1 - accept_per_token (drafts covering every
-  response); speculative continuation (rollout proposals from the prompt's drafts):
+  response); speculative continuation (rollout proposals, ``spec.proposal_sources``):
   ``continuation_proposed_tokens``, ``continuation_accepted_tokens``, ``continuation_accept_rate``
-  (accepted / proposed);
+  (accepted / proposed), and per source ``continuation_{proposed,accepted}_tokens_<source>``;
 * bubble, over all steps (the drafts of step t are made in the bubble of step t - 1):
   ``bubble_ratio_off`` = idle share of the off run's rank rollout time (the bubble there is to use),
   ``bubble_ratio_on``, ``bubble_utilization`` = on drafting time / on idle time of the bubbles
