@@ -61,7 +61,7 @@ def _rank_entry(rank: int, fn, world_size: int, port: int, outdir: str, env: dic
 
 
 def launch_local(fn, world_size: int, *args, env: dict | None = None) -> list:
-    """Run ``fn(*args)`` in ``world_size`` spawned processes; return their results by rank.
+    """Run ``fn(*args)`` in ``world_size`` new processes; return their results by rank.
 
     ``fn`` must be importable (a module-level function). ``env`` adds environment variables
     (threads per rank default to 1: on a small machine oversubscription costs more than it gives).
