@@ -21,7 +21,7 @@ from megatron_bubblespec.rollout.base import RolloutEngine
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult, settle_eos
 from megatron_bubblespec.rollout.torch_llama import TorchLlama
 from megatron_bubblespec.sampling import SamplingParams
-from megatron_bubblespec.spec.pool import Continuation, DraftPool
+from megatron_bubblespec.spec.pool import Continuation, DraftPool, has_sources
 from megatron_bubblespec.spec.verify import (target_probs, verify_keyed, verify_lenient,
                                              verify_residual)
 from megatron_bubblespec.tokens import pad_token_rows
@@ -170,8 +170,8 @@ class ReferenceEngine(RolloutEngine):
     # ------------------------------------------------------------------ internals
     def _admit(self, request: RolloutRequest, params: SamplingParams) -> _Running:
         state = _Running(request, params, self.model.cache.acquire(), list(request.response_prefix))
-        if self.speculative_continuation and (request.draft_pool or
-                                              set(self.proposal_sources) - {"bubble"}):
+        if self.speculative_continuation and has_sources(self.proposal_sources,
+                                                         request.draft_pool):
             pool = DraftPool(request.prompt_token_ids, request.draft_pool,
                              self.spec_min_match, self.spec_max_match, self.proposal_sources)
             state.continuation = Continuation(pool, self.spec_k) if pool else None
@@ -249,4 +249,4 @@ class ReferenceEngine(RolloutEngine):
         c = s.continuation
         return RolloutResult(s.request.request_id, s.response, s.logprobs, s.decode_steps,
                              s.finish_reason, c.proposed if c else 0, c.accepted if c else 0,
-                             {k: (p, a) for k, (p, a) in c.counts.items()} if c else {})
+                             c.by_source() if c else {})

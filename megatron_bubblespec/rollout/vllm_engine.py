@@ -52,6 +52,7 @@ from megatron_bubblespec.rollout.keyed_draw import keyed_sample_sparse
 from megatron_bubblespec.rollout.vllm_proposer import POOL_ARGS_KEY, PoolProposer, pool_extra_args
 from megatron_bubblespec.sampling import SamplingParams, hash_kernel
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult, settle_eos
+from megatron_bubblespec.spec.pool import has_sources
 
 EXTRA_ARGS_KEY = "bubblespec_keyed"
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
@@ -220,7 +221,8 @@ def _reload_weights_on_worker(worker, weights) -> None:
     worker.reload_weights(weights_iterator=iter(pairs))
 
 
-def _pop_continuation_counts(worker, vllm_ids: list[str]) -> dict[str, tuple[int, int]]:
+def _pop_continuation_counts(worker,
+                             vllm_ids: list[str]) -> dict[str, dict[str, tuple[int, int]]]:
     """Runs on each vLLM worker: the proposer's totals for these requests (see ``PoolProposer``)."""
     return worker.model_runner.drafter.pop_counts(vllm_ids)
 
@@ -335,7 +337,7 @@ class VLLMEngine(RolloutEngine):
                 detokenize=False)
         extra_args = {EXTRA_ARGS_KEY: _params_to_extra(params, request.key, n_prefix)}
         if self.speculative_continuation and not prefix_complete and \
-                (request.draft_pool or set(self.proposal_sources) - {"bubble"}):
+                has_sources(self.proposal_sources, request.draft_pool):
             extra_args[POOL_ARGS_KEY] = pool_extra_args(
                 len(request.prompt_token_ids), request.draft_pool, self.spec_k,
                 self.spec_min_match, self.spec_max_match, self.proposal_sources)

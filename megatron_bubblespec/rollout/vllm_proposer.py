@@ -112,7 +112,7 @@ class PoolProposer:
     def _retire(self) -> None:
         """Move the totals of requests the runner no longer holds to ``finished``."""
         for request_id in [r for r in self.requests if r not in self.runner.requests]:
-            self.finished[request_id] = _counts(self.requests.pop(request_id).continuation)
+            self.finished[request_id] = self.requests.pop(request_id).continuation.by_source()
 
     def pop_counts(self, request_ids) -> dict[str, dict[str, tuple[int, int]]]:
         """Per request id, (proposed, accepted) tokens per source, forgetting them (finished or
@@ -122,11 +122,8 @@ class PoolProposer:
             state = self.requests.pop(request_id, None)
             done = self.finished.pop(request_id, None)
             if state is not None:
-                done = _counts(state.continuation)
+                done = state.continuation.by_source()
             if done is not None:
                 counts[request_id] = done
         return counts
 
-
-def _counts(continuation: Continuation) -> dict[str, tuple[int, int]]:
-    return {source: (p, a) for source, (p, a) in continuation.counts.items()}

@@ -23,6 +23,12 @@ from typing import Sequence
 from megatron_bubblespec.config.schema import PROPOSAL_SOURCES as SOURCES
 
 
+def has_sources(sources, drafts) -> bool:
+    """Whether a sample with these ``drafts`` has anything to propose from (its prompt and its own
+    text always exist; drafts only when there are some)."""
+    return bool(drafts) or bool(set(sources) - {"bubble"})
+
+
 class DraftPool:
     def __init__(self, prompt: Sequence[int], drafts: Sequence[Sequence[int]],
                  min_match: int = 2, max_match: int = 8, sources: Sequence[str] = ("bubble",)):
@@ -116,6 +122,10 @@ class Continuation:
     @property
     def accepted(self) -> int:
         return sum(a for _, a in self.counts.values())
+
+    def by_source(self) -> dict[str, tuple[int, int]]:
+        """(proposed, accepted) tokens per source."""
+        return {source: (p, a) for source, (p, a) in self.counts.items()}
 
     def propose(self, context: Sequence[int], budget: int) -> list[int]:
         """Up to min(k, budget) tokens for the next decode step (``context``: the sample's text,
