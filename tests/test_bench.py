@@ -12,8 +12,8 @@ import pytest
 
 from megatron_bubblespec.config import load_config
 from megatron_bubblespec.loop.bench import (RANGED, add_bench_parser, bench, compare, compare_steps,
-                                            markdown_summary, steady_state_first_step,
-                                            token_mismatch)
+                                            finished_run, markdown_summary,
+                                            steady_state_first_step, token_mismatch)
 from megatron_bubblespec.loop.plain_replay import load_run
 from megatron_bubblespec.metrics.rollouts import read_rollouts
 
@@ -33,13 +33,14 @@ STEADY_RATIOS = ("decode_steps_ratio", "engine_steps_ratio", "throughput_ratio",
 # The fixture trains twice and replays the off run with plain vLLM (about 7 minutes on 2 busy
 # cores): whichever of its tests runs first pays for it.
 SLOW = pytest.mark.timeout(1200)
+OVERRIDES = ["run.steps=3", "spec.draft_horizon=1", "logging.progress=false", "logging.plot=false",
+             "logging.tensorboard=false"]
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    bench(TINY, out, ["run.steps=3", "spec.draft_horizon=1", "logging.progress=false",
-                      "logging.plot=false", "logging.tensorboard=false"])
+    bench(TINY, out, OVERRIDES)
     return out, json.loads((out / "bench.json").read_text())
 
 
@@ -107,6 +108,27 @@ def test_bench_writes_markdown_and_plot(result):
     for name in ("bench.png", "bench_decode.png"):
         png = out / name
         assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@SLOW
+def test_resume_keeps_the_finished_runs_and_only_those(result):
+    out, r = result
+    again = bench(TINY, out, OVERRIDES, resume=True)  # nothing is missing: no process starts
+    assert again["machine"]["reused"] == ["on", "off", "plain"]
+    assert "runs kept from an earlier bench (--resume): on, off, plain" in (
+        out / "bench.md").read_text()
+    for key in ("decode_steps_ratio", "throughput_vs_plain", "token_mismatch"):
+        assert again[key] == pytest.approx(r[key]), key
+    assert again["steady_state"]["throughput_vs_plain"] == pytest.approx(
+        r["steady_state"]["throughput_vs_plain"])
+
+    def run(*extra):
+        return load_config(TINY, [*OVERRIDES, f"run.output_dir={out}", "run.name=tiny-on",
+                                  "spec.enabled=true", *extra])
+    assert finished_run(run()) is not None
+    assert finished_run(run("run.seed=7")) is None    # another config: rerun, not reused
+    assert finished_run(run(), steps=4) is None       # fewer steps than asked for
+    assert finished_run(run("run.name=tiny-missing")) is None
 
 
 def test_token_mismatch_counts_positions_lengths_and_missing_samples():
@@ -185,6 +207,8 @@ def test_bench_parser_wiring():
     assert (args.config, args.out, args.overrides) == ("c.yaml", "o", ["run.steps=2"])
     assert args.func.__name__ == "cmd_bench" and not args.no_plain
     assert parser.parse_args(["bench", "--config", "c", "--out", "o", "--no-plain"]).no_plain
+    assert not args.resume
+    assert parser.parse_args(["bench", "--config", "c", "--out", "o", "--resume"]).resume
 
 
 def test_draft_length_coverage_and_utilization_of_drafting_bubbles():

@@ -7,7 +7,11 @@ prompts and sampling keys), trains each as its own run under ``out_dir`` (run na
 with plain vLLM sampling (:mod:`megatron_bubblespec.loop.plain_replay`: vLLM's own sampler, no
 keyed processor, no drafts, each sample exactly as many tokens as in the off run, the initial
 checkpoint, each DP rank's batch timed in turn and the slowest taken per step; written as the run
-directory ``<run.name>-plain``; ``plain=False`` / ``--no-plain`` skips it) and compares:
+directory ``<run.name>-plain``; ``plain=False`` / ``--no-plain`` skips it) and compares.
+``resume=True`` / ``--resume`` keeps each of the three runs that already finished under ``out_dir``
+with the same resolved config (:func:`finished_run`) and runs only the missing ones, so a bench
+stopped during its last run does not redo the first two; ``machine.reused`` names the kept runs.
+The comparison:
 
 * cost, over a step range: once over the steps >= 1 (the first step has no drafts to verify; the
   keys at the top level) and once over the steady state, the steps >= H + 1 (``steady_state``: the
@@ -349,7 +353,9 @@ def markdown(result: Mapping[str, object]) -> str:
         f"machine: {m['cpus_usable']} of {m['cpu_count']} CPUs, torch {m['torch']}, "
         f"{m['cuda'] or 'no GPU'}, {m['started']} to {m['date']} ({m['wall_s']:.0f} s), "
         f"load average at the end "
-        f"{' '.join(f'{x:.2f}' for x in m['loadavg_1_5_15'] or ())}.",
+        f"{' '.join(f'{x:.2f}' for x in m['loadavg_1_5_15'] or ())}"
+        + (f"; runs kept from an earlier bench (--resume): {', '.join(m['reused'])}."
+           if m.get("reused") else "."),
         "",
         _regimes(result),
         "",
@@ -366,10 +372,35 @@ def markdown(result: Mapping[str, object]) -> str:
     ])
 
 
+def finished_run(run_cfg, steps: int | None = None) -> dict | None:
+    """The records and rollouts of the run ``run_cfg`` names if it finished all ``steps`` (default
+    ``run_cfg.run.steps``) with exactly this config (its ``config.yaml``); else None. A plain
+    replay directory has no config of its own: pass the off run's config and its run name."""
+    from megatron_bubblespec.config.load import to_yaml
+    from megatron_bubblespec.loop.train import run_dir
+    from megatron_bubblespec.metrics import read_metrics
+    from megatron_bubblespec.metrics.rollouts import read_rollouts
+
+    path = run_dir(run_cfg)
+    steps = run_cfg.run.steps if steps is None else steps
+    config = path / "config.yaml"
+    if config.is_file() and config.read_text() != to_yaml(run_cfg):
+        return None
+    try:
+        records = read_metrics(path)
+    except (FileNotFoundError, ValueError):
+        return None
+    rollouts = read_rollouts(path)
+    if [r["step"] for r in records] != list(range(steps)) or len(rollouts) != steps:
+        return None
+    return {"records": records, "rollouts": rollouts}
+
+
 def bench(config_path: str | Path, out_dir: str | Path, overrides: Sequence[str] = (),
-          plain: bool = True) -> dict:
+          plain: bool = True, resume: bool = False) -> dict:
     """Run the paired on/off runs of ``config_path`` under ``out_dir`` (and, with ``plain``, the
-    plain vLLM replay of the off run) and write the bench files."""
+    plain vLLM replay of the off run) and write the bench files; with ``resume``, the runs that
+    already finished there with the same config are kept."""
     from megatron_bubblespec.config import ConfigError, load_config
     from megatron_bubblespec.loop.plain_replay import check_replayable, replay_plain
     from megatron_bubblespec.loop.train import train
@@ -385,18 +416,28 @@ def bench(config_path: str | Path, out_dir: str | Path, overrides: Sequence[str]
         except ValueError as err:
             raise ConfigError(str(err)) from None
     started, t0 = datetime.datetime.now().astimezone(), time.perf_counter()
-    runs = {}
+    runs, reused = {}, []
     for mode, enabled in (("on", "true"), ("off", "false")):
         run_cfg = load_config(config_path, [*overrides, f"run.output_dir={out}",
                                             f"run.name={name}-{mode}", f"spec.enabled={enabled}"])
-        runs[mode] = train(run_cfg)
+        runs[mode] = finished_run(run_cfg) if resume else None
+        if runs[mode] is None:
+            runs[mode] = train(run_cfg)
+        else:
+            reused.append(mode)
     on, off = runs["on"]["records"], runs["off"]["records"]
     dirs = {"on": str(out / f"{name}-on"), "off": str(out / f"{name}-off")}
     series = {"on": list(on), "off": list(off)}
     if plain:
         dirs["plain"] = str(out / f"{name}-plain")
-        replay = replay_plain(dirs["off"], dirs["plain"])
-        series["plain"] = replay.records
+        kept = (finished_run(load_config(Path(dirs["off"]) / "config.yaml",
+                                         [f"run.name={name}-plain"]), cfg.run.steps)
+                if resume and "off" in reused else None)
+        if kept is None:
+            series["plain"] = replay_plain(dirs["off"], dirs["plain"]).records
+        else:
+            series["plain"] = kept["records"]
+            reused.append("plain")
     mismatch, mismatch_samples = token_mismatch(runs["on"]["rollouts"], runs["off"]["rollouts"])
     steady_from = steady_state_first_step(cfg)
     result = {
@@ -408,7 +449,7 @@ def bench(config_path: str | Path, out_dir: str | Path, overrides: Sequence[str]
         "token_mismatch": mismatch,
         "token_mismatch_samples": mismatch_samples,
         "machine": {**machine_info(), "started": started.isoformat(timespec="seconds"),
-                    "wall_s": time.perf_counter() - t0},
+                    "wall_s": time.perf_counter() - t0, "reused": reused},
         "series": series,
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -428,6 +469,9 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="directory for the two runs and bench.*")
     parser.add_argument("--no-plain", action="store_true",
                         help="skip the plain vLLM replay of the off run (no throughput_vs_plain)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs that already finished under --out with the same "
+                             "config; run only the missing ones")
     parser.add_argument("overrides", nargs="*",
                         help="dotted overrides for both runs, e.g. run.steps=3")
     parser.set_defaults(func=cmd_bench)
@@ -441,7 +485,8 @@ def cmd_bench(args) -> int:
     from megatron_bubblespec.config import ConfigError
 
     try:
-        result = bench(args.config, args.out, args.overrides, plain=not args.no_plain)
+        result = bench(args.config, args.out, args.overrides, plain=not args.no_plain,
+                       resume=args.resume)
     except ConfigError as err:
         print(f"bubblespec bench: config error: {err}", file=sys.stderr)
         return 2
