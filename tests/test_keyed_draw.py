@@ -9,8 +9,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_bubblespec.rollout import keyed_draw
-from megatron_bubblespec.rollout.keyed_draw import TABLE_BITS, keyed_sample_sparse, noise_bounds
+from megatron_bubblespec.sampling import keyed_draw
+from megatron_bubblespec.sampling.keyed_draw import TABLE_BITS, keyed_sample_sparse, noise_bounds
 from megatron_bubblespec.sampling import SamplingParams, hash_kernel, keyed_sample, sample_key
 from megatron_bubblespec.sampling.keyed import MASK32, noise_bits, row_words, uniform_at
 

@@ -425,6 +425,31 @@ def test_padding_never_affects_the_result(data, params, batch, width):
             assert getattr(alone, field)[0] == getattr(results[0], field)[r]
 
 
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=50, top_p=0.9)],
+                         ids=["T1", "T0.8-k50-p0.9"])
+@pytest.mark.parametrize("scale", [0.05, 8.0], ids=["flat", "peaked"])
+def test_keyed_rule_at_a_real_vocabulary_matches_the_dense_draw(params, scale):
+    """At SmolLM2's vocabulary (49,152) on flat and peaked rows, the keyed rule (which draws only
+    the rows a draft reaches, scoring few tokens per row) settles exactly where the dense
+    ``keyed_sample`` of every row says: drafts accepted whole, cut by a wrong token, and empty."""
+    vocab, batch, width = 49152, 6, 9
+    gen = torch.Generator().manual_seed(int(scale * 100))
+    logits = scale * torch.randn(batch, width + 1, vocab, generator=gen)
+    keys = torch.tensor([sample_key(7, 2, i, 1) for i in range(batch)])
+    starts = torch.randint(0, 300, (batch,), generator=gen)
+    dense = _rows(logits, keys, starts, params)
+    lens = torch.tensor([0, 3, 9, 9, 5, 1])
+    wrong_at = [None, None, None, 4, 0, 0]            # the first rejected index, if any
+    draft = dense[:, :width].clone()
+    for r, j in enumerate(wrong_at):
+        if j is not None:
+            draft[r, j] = (draft[r, j] + 1) % vocab
+    res = verify_keyed(logits, draft, lens, keys, starts, params, ())
+    expected = [int(lens[r]) if j is None else j for r, j in enumerate(wrong_at)]
+    assert res.accepted.tolist() == expected
+    assert res.next_token.tolist() == [int(dense[r, n]) for r, n in enumerate(expected)]
+
+
 @pytest.mark.parametrize("rule", [verify_residual, verify_lenient])
 def test_ratio_rules_ignore_padding(rule):
     """Padded draft ids (kept inside [-1, V)), draft probabilities and logits change nothing."""

@@ -3,7 +3,7 @@
 vLLM runs the model, the KV cache, batching and prefix caching; the *choice* of every token is ours.
 A batch-level logits processor (``KeyedLogitsProcessor``, vLLM's V1 interface) draws each row's
 token with the project's keyed sampler (``megatron_bubblespec.sampling.keyed``, computed on few
-tokens per row by ``rollout.keyed_draw``, the same tokens; on CPU through the C++ scan of
+tokens per row by ``sampling.keyed_draw``, the same tokens; on CPU through the C++ scan of
 ``sampling.hash_kernel``, built when the processor starts) at the row's
 absolute response position and sets every other logit to -inf, so vLLM's own sampler (run greedy,
 T = 0) merely picks the forced token. Tokens therefore equal plain keyed decoding of the weights.
@@ -48,7 +48,7 @@ import torch
 from megatron_bubblespec import logs
 from megatron_bubblespec.cache import cache_dir
 from megatron_bubblespec.rollout.base import RolloutEngine
-from megatron_bubblespec.rollout.keyed_draw import keyed_sample_sparse
+from megatron_bubblespec.sampling.keyed_draw import keyed_sample_sparse
 from megatron_bubblespec.rollout.vllm_proposer import POOL_ARGS_KEY, PoolProposer, pool_extra_args
 from megatron_bubblespec.sampling import SamplingParams, hash_kernel
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult, settle_eos

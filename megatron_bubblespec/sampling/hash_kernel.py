@@ -1,7 +1,7 @@
 """Scaled logits + keys + positions + noise bounds -> C++ scan -> each row's candidate tokens + words.
 
 The integer part of ``sampling.keyed`` (the row words and the token word h of its docstring) in C++,
-fused with the pruning scan of ``rollout.keyed_draw``: one pass over each row, built on first use
+fused with the pruning scan of ``sampling.keyed_draw``: one pass over each row, built on first use
 with ``torch.utils.cpp_extension.load_inline`` into ``cache_dir("kernels", ...)`` (a directory
 per source, torch version and CPU, so a shared cache never serves another CPU's build). No float
 noise is computed here: the caller turns the returned words into u and g with the torch operations

@@ -8,7 +8,9 @@ and end each sample's response at its first EOS (``sampling.requests.settle_eos`
 * ``verify_keyed`` (the default, exact for any proposal): accept while the target's keyed draw
   equals the draft token. The draw is the same Gumbel-max draw plain decoding would make at that
   position with that key, so the verified response is token-identical to plain decoding. Needs no
-  draft probabilities. Works on a vocabulary sharded over a tensor-parallel group.
+  draft probabilities. Works on a vocabulary sharded over a tensor-parallel group. In one process
+  it draws with ``sampling.keyed_draw.keyed_sample_sparse`` (the same tokens as ``keyed_sample``,
+  hashing the noise of the few tokens that can win), and only the rows a draft can reach.
 * ``verify_residual`` (ablation, exact): standard speculative sampling, accept y with probability
   min(1, p(y)/q(y)), else draw from norm(max(0, p - q)). Needs the draft distribution q.
 * ``verify_lenient`` (ablation, NOT exact): SPEC-RL's rule, accept with probability
@@ -27,7 +29,9 @@ from dataclasses import dataclass
 from typing import Collection, Iterable
 
 import torch
+import torch.distributed as dist
 
+from megatron_bubblespec.sampling.keyed_draw import keyed_sample_sparse
 from megatron_bubblespec.sampling.keyed import (
     STREAM_ACCEPT,
     STREAM_RESIDUAL,
@@ -119,11 +123,22 @@ def verify_keyed(target_logits: torch.Tensor, draft: torch.Tensor, draft_lens: t
     """Exact verification by shared keyed noise; ``group`` = TP group when the vocab is sharded."""
     _check_shapes(target_logits, draft, draft_lens)
     b, width1, vocab = target_logits.shape
-    positions = _positions(start_positions, width1)
-    draws = keyed_sample(target_logits.reshape(b * width1, vocab),
-                         keys.reshape(-1, 1).expand(b, width1).reshape(-1), positions.reshape(-1),
-                         params, vocab_offset=vocab_offset, vocab_size=vocab_size,
-                         group=group).view(b, width1)
+    # Only the rows up to each draft's end can be read by _settle (row len is the bonus draw);
+    # the padding rows of shorter drafts are not drawn. Every rank of a TP group selects the same
+    # rows (the same draft_lens), so the collectives of the sharded draw still match.
+    read = (torch.arange(width1, device=draft.device) <= draft_lens.reshape(-1, 1)).reshape(-1)
+    logits = target_logits.reshape(b * width1, vocab)[read]
+    row_keys = keys.reshape(-1, 1).expand(b, width1).reshape(-1)[read]
+    positions = _positions(start_positions, width1).reshape(-1)[read]
+    if vocab_offset == 0 and (group is None or dist.get_world_size(group) == 1):
+        # the same tokens as keyed_sample, bit for bit, scoring few tokens per row
+        drawn = keyed_sample_sparse(logits, row_keys, positions, params, vocab_size=vocab_size)
+    else:
+        drawn = keyed_sample(logits, row_keys, positions, params, vocab_offset=vocab_offset,
+                             vocab_size=vocab_size, group=group)
+    draws = torch.zeros(b * width1, dtype=torch.int64, device=draft.device)
+    draws[read] = drawn.to(draft.device)
+    draws = draws.view(b, width1)
     return _settle(draws[:, :-1] == draft, draws, draft, draft_lens, eos_token_ids)
 
 
