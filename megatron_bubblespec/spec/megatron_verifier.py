@@ -7,7 +7,8 @@ Step 1 of the synchronous step ("verify"), run on the training ranks that alread
    len(response_prefix)``) is cut to it; both with a warning naming the request, never an
    exception and never a changed token (a dropped draft is an empty one: one plain keyed draw);
 2. ``prompt + response_prefix + draft`` of every request goes into one right-padded batch and
-   through ONE forward-only pipeline pass (``train.forward.megatron_forward``);
+   through ONE forward-only pipeline pass (``train.forward.megatron_forward``), whose output layer
+   computes logits only at the L + 1 positions of each draft;
 3. on the last pipeline stage, per micro-batch, the L+1 logits rows starting at the last prefix
    position (they predict response positions ``len(prefix) ... len(prefix) + L``) go to
    ``spec.verify.verify_keyed`` in its vocab-parallel form: each TP rank holds the global ids
@@ -100,14 +101,21 @@ class MegatronVerifier:
         tp_group = ps.get_tensor_model_parallel_group()
         tp_rank = ps.get_tensor_model_parallel_rank()
 
+        def positions(mb_rows: slice) -> torch.Tensor:
+            """Per sequence of the micro-batch, the L + 1 positions whose logits its draft needs
+            (L the micro-batch's longest draft; the rows past a draft's end are never read, and
+            a dummy row reads position 0), clamped to the batch's length."""
+            real = range(mb_rows.start, min(mb_rows.stop, n))
+            width = max(len(drafts[i]) for i in real) + 1
+            first = torch.zeros(mb_rows.stop - mb_rows.start, 1, dtype=torch.int64)
+            first[:len(real), 0] = torch.tensor([starts[i] for i in real])
+            return (first + torch.arange(width)).clamp(max=tokens.shape[1] - 1)
+
         def on_logits(logits: torch.Tensor, mb_rows: slice):
             real = range(mb_rows.start, min(mb_rows.stop, n))
             device, local_vocab = logits.device, logits.shape[-1]
-            width = max(len(drafts[i]) for i in real) + 1
-            index = (torch.tensor([starts[i] for i in real], device=device).view(-1, 1)
-                     + torch.arange(width, device=device)).clamp(max=logits.shape[1] - 1)
-            target = logits[:len(real)].gather(
-                1, index.unsqueeze(-1).expand(-1, -1, local_vocab))
+            target = logits[:len(real)]   # [b, L + 1, V_local]: the draft's positions only
+            width = target.shape[1]
             draft = torch.zeros(len(real), width - 1, dtype=torch.int64, device=device)
             for row, i in enumerate(real):
                 draft[row, :len(drafts[i])] = torch.tensor(drafts[i], dtype=torch.int64)
@@ -119,7 +127,8 @@ class MegatronVerifier:
                 vocab_size=self.spec.vocab_size, group=tp_group)
             return result.accepted.tolist(), result.next_token.tolist(), result.finished.tolist()
 
-        per_mb = megatron_forward(self.model, tokens, on_logits, micro_batch_size=mbs)
+        per_mb = megatron_forward(self.model, tokens, on_logits, micro_batch_size=mbs,
+                                  logit_positions=positions)
         device = next(self.model.parameters()).device
         packed = torch.zeros(3, n, dtype=torch.int64, device=device)
         if per_mb is not None:   # last pipeline stage

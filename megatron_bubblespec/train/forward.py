@@ -13,6 +13,14 @@ the last stage gathers the logits back over the CP group (``context_parallel_gat
 run unchanged and identically on each CP rank (attention and activations are split, the logits of
 one micro-batch are whole, as without CP). Training splits its micro-batches the same way and
 keeps its loss local (the trainer's forward step).
+
+``logit_positions(rows) -> [b, w]`` (optional) names, per sequence of a micro-batch, the w
+positions whose logits ``on_logits`` needs (the verifier: each draft's L + 1 rows). The output
+layer then runs on those positions' hidden states only, through a forward pre-hook on it, instead
+of on the whole sequence (a vocabulary-wide matmul per position); with sequence or context
+parallelism the hidden states are split over ranks there, so the logits are picked after the
+layer instead. Either way ``on_logits`` receives logits [b, w, V_local] whose [i, j] predicts
+the token after position ``positions[i, j]``.
 """
 
 from __future__ import annotations
@@ -26,9 +34,11 @@ from megatron_bubblespec.train.model import context_parallel_size
 
 
 def megatron_forward(model, tokens: torch.Tensor, on_logits: Callable[[torch.Tensor, slice], object],
-                     micro_batch_size: int | None = None) -> list | None:
+                     micro_batch_size: int | None = None,
+                     logit_positions: Callable[[slice], torch.Tensor] | None = None) -> list | None:
     """Run ``model`` over ``tokens`` [B, S]; returns [on_logits(logits_mb, rows_mb), ...] on the
-    last pipeline stage, None elsewhere."""
+    last pipeline stage, None elsewhere; with ``logit_positions``, ``logits_mb`` holds only the
+    positions it names for the micro-batch."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -49,11 +59,19 @@ def megatron_forward(model, tokens: torch.Tensor, on_logits: Callable[[torch.Ten
         positions = torch.arange(padded_seq, device=device).expand_as(mb_tokens)
         if split:
             mb_tokens, positions = context_parallel_split(mb_tokens, positions)
-        logits = model(mb_tokens, positions, None)
+        picked = None if logit_positions is None else logit_positions(rows).to(device)
+        hook = None if picked is None or split else _pick_output_rows(model, picked)
+        try:
+            logits = model(mb_tokens, positions, None)
+        finally:
+            if hook is not None:
+                hook.remove()
 
         def collect(output, non_loss_data=False):
             if split:
                 output = context_parallel_gather(output)[:, :seq]
+            if picked is not None and hook is None:
+                output = output.gather(1, picked.unsqueeze(-1).expand(-1, -1, output.shape[-1]))
             return on_logits(output, rows)
 
         return logits, collect
@@ -67,6 +85,24 @@ def megatron_forward(model, tokens: torch.Tensor, on_logits: Callable[[torch.Ten
             forward_only=True, collect_non_loss_data=True)
         model.train(was_training)
     return out if ps.is_pipeline_last_stage() else None
+
+
+def _pick_output_rows(model, positions: torch.Tensor):
+    """A removable pre-hook that feeds the output layer, of its [s, b, h] input, only the hidden
+    states at ``positions`` [b, w] (as [w, b, h]); None where there is no output layer (not the
+    last pipeline stage) or its input is split over the sequence (sequence parallelism)."""
+    while not hasattr(model, "output_layer") and hasattr(model, "module"):
+        model = model.module
+    layer = getattr(model, "output_layer", None)
+    if layer is None or getattr(layer, "sequence_parallel", False):
+        return None
+    index = positions.t().unsqueeze(-1)   # [w, b, 1]
+
+    def pick(module, args, kwargs):
+        hidden = args[0]
+        return (hidden.gather(0, index.expand(-1, -1, hidden.shape[-1])), *args[1:]), kwargs
+
+    return layer.register_forward_pre_hook(pick, with_kwargs=True)
 
 
 def gather_vocab(logits: torch.Tensor) -> torch.Tensor:
