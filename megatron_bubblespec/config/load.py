@@ -165,17 +165,27 @@ def _cuda() -> bool:
 def _check_rollout_tensor_parallel(cfg: Config) -> None:
     """rollout.tensor_parallel r: the ranks of one rollout engine, r consecutive ranks of a model
     replica (every rank is in one engine: TP x PP x CP / r engines per replica). They are
-    consecutive inside one replica when r divides parallel.tensor x parallel.context."""
+    consecutive inside one replica when r divides parallel.tensor x parallel.context, or the
+    whole replica size TP x PP x CP when its ranks are consecutive (parallel.order
+    tp-cp-ep-pp-dp, or a single replica)."""
     p, rollout_tp = cfg.parallel, cfg.rollout.tensor_parallel
-    span = p.tensor * p.context
+    replica = p.tensor * p.pipeline * p.context
+    consecutive = p.order == "tp-cp-ep-pp-dp" or p.data == 1
+    span = replica if consecutive else p.tensor * p.context
     allowed = [d for d in range(1, span + 1) if span % d == 0]
     if rollout_tp not in allowed:
+        wider = ("" if consecutive or replica % rollout_tp else
+                 f"; {rollout_tp} divides the replica size {replica} (TP x PP x CP), so an engine "
+                 "could span the pipeline stages with parallel.order=tp-cp-ep-pp-dp, which "
+                 "makes each replica's ranks consecutive")
+        what = ("the replica size parallel.tensor x parallel.pipeline x parallel.context = "
+                f"{p.tensor} x {p.pipeline} x {p.context}" if consecutive else
+                f"parallel.tensor x parallel.context = {p.tensor} x {p.context}")
         raise ConfigError(
             f"rollout.tensor_parallel={rollout_tp} is not allowed; choose one of {allowed}, the "
-            f"divisors of parallel.tensor x parallel.context = {p.tensor} x {p.context}: an "
-            f"engine spans that many consecutive ranks of a model replica, and each replica "
-            f"then hosts {p.tensor} x {p.pipeline} x {p.context} / rollout.tensor_parallel "
-            "engines")
+            f"divisors of {what}: an engine spans that many consecutive ranks of a model "
+            f"replica, and each replica then hosts {p.tensor} x {p.pipeline} x {p.context} / "
+            f"rollout.tensor_parallel engines{wider}")
     if rollout_tp > 1 and cfg.rollout.engine != "vllm":
         raise ConfigError(f"rollout.tensor_parallel={rollout_tp} needs rollout.engine=vllm (the "
                           f"reference engine runs on one rank); use rollout.tensor_parallel=1 "

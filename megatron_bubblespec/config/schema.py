@@ -46,6 +46,10 @@ class ParallelConfig:
     data: int = 2
     context: int = 1                # context parallelism of the training forward/backward (GPU)
     sequence_parallel: bool = False # Megatron sequence parallelism inside the TP group
+    # Megatron's rank order, innermost first. The default keeps DP inside PP (a replica's stages
+    # far apart); tp-cp-ep-pp-dp makes each replica's ranks consecutive, so a rollout engine
+    # (rollout.tensor_parallel consecutive ranks) may span its pipeline stages.
+    order: str = "tp-cp-ep-dp-pp"
 
 
 @dataclass
@@ -135,6 +139,7 @@ PROPOSAL_SOURCES = ("bubble", "prompt", "self")
 
 CHOICES = {
     "rollout.engine": ("vllm", "reference"),
+    "parallel.order": ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"),
     "spec.rule": ("keyed", "residual", "lenient"),
     "spec.verifier": ("megatron", "engine"),
     "data.task": ("synthetic", "arithmetic", "gsm8k", "jsonl"),

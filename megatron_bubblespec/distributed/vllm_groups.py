@@ -12,7 +12,8 @@ them ready (``ensure_model_parallel_initialized`` only checks their sizes) and c
 Rollout tensor parallelism (``rollout_tp`` = r > 1): vLLM's tensor-parallel groups are contiguous
 rank blocks ``[kr .. kr+r-1]``, which are exactly the rollout layout's engines (``loop.layout``: r
 consecutive ranks of a replica; inside one replica when r divides TP x CP in Megatron's default
-order, TP innermost); :func:`init_vllm_parallel_state` asserts it. Every engine is built with
+order, TP innermost, or TP x PP x CP with ``parallel.order`` tp-cp-ep-pp-dp);
+:func:`init_vllm_parallel_state` asserts it. Every engine is built with
 ``distributed_executor_backend="external_launcher"``, one shard per rank. That executor reduces
 the available KV-cache memory over vLLM's WORLD group, a collective the other engines never enter
 at the same moment; :func:`patch_external_launcher` makes it reduce over the engine's own
@@ -80,9 +81,9 @@ def init_vllm_parallel_state(rollout_tp: int, engine_ranks=None, *,
         if engine_ranks is not None and list(engine_ranks) != list(vllm_tp):
             raise RuntimeError(
                 f"rank {rank}: vLLM's tensor-parallel group {vllm_tp} is not this rank's rollout "
-                f"engine {list(engine_ranks)}; rollout.tensor_parallel > 1 needs Megatron's "
-                "default rank order (tensor parallelism innermost) and a rollout TP that divides "
-                "parallel.tensor x parallel.context")
+                f"engine {list(engine_ranks)}; rollout.tensor_parallel > 1 needs an engine's ranks "
+                "consecutive: a rollout TP that divides parallel.tensor x parallel.context, or "
+                "the replica size with parallel.order=tp-cp-ep-pp-dp")
         patch_external_launcher()
 
 

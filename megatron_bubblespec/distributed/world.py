@@ -95,8 +95,10 @@ def init_process_group(*, backend: str | None = None, timeout_s: float = 600.0,
 
 def init_distributed(tensor_parallel: int = 1, pipeline_parallel: int = 1, *, seed: int = 0,
                      backend: str | None = None, timeout_s: float = 600.0,
-                     world: WorldInfo | None = None, context_parallel: int = 1) -> WorldInfo:
-    """Start the default process group and Megatron's TP x CP x PP x DP groups; returns the layout.
+                     world: WorldInfo | None = None, context_parallel: int = 1,
+                     order: str = "tp-cp-ep-dp-pp") -> WorldInfo:
+    """Start the default process group and Megatron's TP x CP x PP x DP groups, ranks in
+    ``order`` (innermost first: Megatron's ``initialize_model_parallel``); returns the layout.
 
     Raises a ValueError naming the sizes when TP x CP x PP does not divide the world size.
     """
@@ -115,7 +117,7 @@ def init_distributed(tensor_parallel: int = 1, pipeline_parallel: int = 1, *, se
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_parallel,
             pipeline_model_parallel_size=pipeline_parallel,
-            context_parallel_size=context_parallel)
+            context_parallel_size=context_parallel, order=order)
         mp_tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return world
 

@@ -9,8 +9,10 @@ keyed processor, no drafts, each sample exactly as many tokens as in the off run
 checkpoint, each DP rank's batch timed in turn and the slowest taken per step; written as the run
 directory ``<run.name>-plain``; ``plain=False`` / ``--no-plain`` skips it) and compares.
 ``resume=True`` / ``--resume`` keeps each of the three runs that already finished under ``out_dir``
-with the same resolved config (:func:`finished_run`) and runs only the missing ones, so a bench
-stopped during its last run does not redo the first two; ``machine.reused`` names the kept runs.
+with the same resolved config (:func:`finished_run`; the off run and its replay also serve other
+``spec`` settings, which BubbleSpec off does not read) and runs only the missing ones, so a bench
+stopped during its last run does not redo the first two, and a study of spec settings reruns only
+the on run; ``machine.reused`` names the kept runs.
 The comparison:
 
 * cost, over a step range: once over the steps >= 1 (the first step has no drafts to verify; the
@@ -71,6 +73,7 @@ plain-vLLM number without the replay, and the steady state of a run too short to
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import math
 import time
@@ -372,11 +375,24 @@ def markdown(result: Mapping[str, object]) -> str:
     ])
 
 
+def _as_run(cfg) -> str:
+    """The config as the run reads it: a run with BubbleSpec off reads nothing of ``spec`` but
+    ``spec.enabled`` (every other key is gated on it), so its other keys do not matter."""
+    from megatron_bubblespec.config.load import to_yaml
+    from megatron_bubblespec.config.schema import SpecConfig
+
+    if not cfg.spec.enabled:
+        cfg = dataclasses.replace(cfg, spec=SpecConfig(enabled=False))
+    return to_yaml(cfg)
+
+
 def finished_run(run_cfg, steps: int | None = None) -> dict | None:
     """The records and rollouts of the run ``run_cfg`` names if it finished all ``steps`` (default
-    ``run_cfg.run.steps``) with exactly this config (its ``config.yaml``); else None. A plain
-    replay directory has no config of its own: pass the off run's config and its run name."""
-    from megatron_bubblespec.config.load import to_yaml
+    ``run_cfg.run.steps``) with this config (its ``config.yaml``; for a run with BubbleSpec off,
+    up to the ``spec`` keys it does not read, so an off run serves benches of any spec settings);
+    else None. A plain replay directory has no config of its own: pass the off run's config and
+    its run name."""
+    from megatron_bubblespec.config import ConfigError, load_config
     from megatron_bubblespec.loop.train import run_dir
     from megatron_bubblespec.metrics import read_metrics
     from megatron_bubblespec.metrics.rollouts import read_rollouts
@@ -384,8 +400,13 @@ def finished_run(run_cfg, steps: int | None = None) -> dict | None:
     path = run_dir(run_cfg)
     steps = run_cfg.run.steps if steps is None else steps
     config = path / "config.yaml"
-    if config.is_file() and config.read_text() != to_yaml(run_cfg):
-        return None
+    if config.is_file():
+        try:
+            saved = dataclasses.replace(load_config(config), config_path=run_cfg.config_path)
+            if _as_run(saved) != _as_run(run_cfg):
+                return None
+        except ConfigError:
+            return None
     try:
         records = read_metrics(path)
     except (FileNotFoundError, ValueError):

@@ -7,9 +7,11 @@ tensor-parallel groups are the same blocks: ``distributed.vllm_groups``), led by
 Engine e of replica d has the global index ``d * E + e`` (E engines per replica), which is what
 the bubble's arrival counter, its drafting cursor and the per-engine metrics count.
 
-Megatron orders ranks TP innermost, then CP, DP, PP: r consecutive ranks stay inside one replica
-exactly when r divides TP x CP (config checks it). With r = 1 every rank is an engine of its own;
-a DP-only run keeps one engine per rank, as before.
+Megatron orders ranks TP innermost, then CP, DP, PP by default: r consecutive ranks stay inside one
+replica exactly when r divides TP x CP (config checks it). With ``parallel.order`` tp-cp-ep-pp-dp
+(or DP 1) a replica's ranks are consecutive, and an engine may span its pipeline stages: r any
+divisor of TP x PP x CP. With r = 1 every rank is an engine of its own; a DP-only run keeps one
+engine per rank, as before.
 """
 
 from __future__ import annotations

@@ -144,7 +144,8 @@ def build_replica(cfg: Config) -> Replica:
 
     p = cfg.parallel
     world = init_distributed(p.tensor, p.pipeline, seed=cfg.run.seed,
-                             timeout_s=cfg.spec.barrier_timeout_s, context_parallel=p.context)
+                             timeout_s=cfg.spec.barrier_timeout_s, context_parallel=p.context,
+                             order=p.order)
     path = resolve_model(cfg, world.rank)
     spec, tensors = load_checkpoint(path)
     dtype = getattr(torch, cfg.model.dtype)
