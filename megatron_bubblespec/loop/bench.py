@@ -402,7 +402,10 @@ def finished_run(run_cfg, steps: int | None = None) -> dict | None:
     config = path / "config.yaml"
     if config.is_file():
         try:
-            saved = dataclasses.replace(load_config(config), config_path=run_cfg.config_path)
+            saved = load_config(config)   # but where the run lies now, and its config's file
+            saved = dataclasses.replace(
+                saved, config_path=run_cfg.config_path,
+                run=dataclasses.replace(saved.run, output_dir=run_cfg.run.output_dir))
             if _as_run(saved) != _as_run(run_cfg):
                 return None
         except ConfigError:
