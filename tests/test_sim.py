@@ -130,6 +130,22 @@ def test_calibration_reproduces_the_measured_two_rank_bench():
     assert abs(check["decode_steps_ratio"]["rel_error"]) < 0.1, check["decode_steps_ratio"]
 
 
+def test_the_on_runs_config_names_the_spec_settings(tmp_path):
+    """bench --resume may pair an on run with an off run made under other spec settings: the
+    calibration reads the on run's config where it has one, else the off run's."""
+    from megatron_bubblespec.sim.calibrate import bench_config
+
+    off_text = (DATA / "default" / "smollm2-gsm8k-off" / "config.yaml").read_text()
+    bench = {"name": "smollm2-gsm8k", "config": "configs/default.yaml", "overrides": []}
+    (tmp_path / "smollm2-gsm8k-off").mkdir()
+    (tmp_path / "smollm2-gsm8k-off" / "config.yaml").write_text(off_text)
+    assert bench_config(tmp_path / "bench.json", bench).spec.speculative_continuation
+    (tmp_path / "smollm2-gsm8k-on").mkdir()
+    (tmp_path / "smollm2-gsm8k-on" / "config.yaml").write_text(
+        off_text.replace("speculative_continuation: true", "speculative_continuation: false"))
+    assert not bench_config(tmp_path / "bench.json", bench).spec.speculative_continuation
+
+
 def test_calibration_reads_the_default_jobs_bench():
     """The default job's paired bench (SmolLM2 on GSM8K, 2 ranks x 2 samples, 384-token budget):
     shape, capped share, continuation gain and acceptance are read from its records."""

@@ -137,14 +137,17 @@ def _resolve(path: str) -> Path | None:
 
 
 def bench_config(bench_path: Path, bench: dict):
-    """The off run's resolved config (its run directory's config.yaml), else the bench's config
-    file with its overrides; None when neither can be read."""
+    """A run's resolved config (its run directory's config.yaml: the on run's first, whose spec
+    keys are the ones that drafted, since ``bench --resume`` may pair it with an off run made
+    under other spec settings; then the off run's), else the bench's config file with its
+    overrides; None when none can be read."""
     from megatron_bubblespec.config import ConfigError, load_config
 
-    run = _run_dir(bench_path, bench, "off")
     tries = []
-    if run is not None and (run / "config.yaml").is_file():
-        tries.append((run / "config.yaml", []))
+    for mode in ("on", "off"):
+        run = _run_dir(bench_path, bench, mode)
+        if run is not None and (run / "config.yaml").is_file():
+            tries.append((run / "config.yaml", []))
     if bench.get("config") and _resolve(bench["config"]) is not None:
         tries.append((_resolve(bench["config"]), list(bench.get("overrides", []))))
     for path, overrides in tries:
