@@ -455,7 +455,8 @@ def bench(config_path: str | Path, out_dir: str | Path, overrides: Sequence[str]
     if plain:
         dirs["plain"] = str(out / f"{name}-plain")
         kept = (finished_run(load_config(Path(dirs["off"]) / "config.yaml",
-                                         [f"run.name={name}-plain"]), cfg.run.steps)
+                                         [f"run.output_dir={out}", f"run.name={name}-plain"]),
+                             cfg.run.steps)
                 if resume and "off" in reused else None)
         if kept is None:
             series["plain"] = replay_plain(dirs["off"], dirs["plain"]).records
