@@ -30,7 +30,9 @@ def test_text_overrides_keep_their_text():
     (["parallel.tensor=2"], "parallel.tensor x parallel.pipeline x parallel.context x parallel.data"),
     (["rollout.prompts_per_step=3"], "rollout.prompts_per_step"),
     (["spec.rule=lenient"], "spec.rule"),
-    (["spec.verifier=engine"], "spec.verifier=engine"),
+    (["spec.verifier=engine", "rollout.engine=reference", "parallel.world_size=2",
+      "parallel.tensor=2", "parallel.data=1"], "spec.verifier=engine with rollout.engine=reference"),
+    (["spec.verifier=engine", "spec.rule=residual"], "spec.verifier=engine on vLLM"),
     (["noequals"], "key=value"),
     (["bogus.key=1"], "bogus"),
 ])

@@ -48,6 +48,32 @@ def test_bubblespec_on_and_off_give_identical_rollouts_losses_and_weights(runs):
         torch.testing.assert_close(tensor, off["weights"][name], rtol=1e-6, atol=1e-7, msg=name)
 
 
+@pytest.fixture(scope="module")
+def engine_verified(tiny_runs):
+    """configs/tiny.yaml with spec.verifier=engine: each rank's vLLM engine verifies its drafts
+    inside its rollout (beside speculative continuation from every source)."""
+    cfg = _cfg(tiny_runs.root, "spec-on-engine-verifier", "spec.verifier=engine")
+    return train(cfg, return_weights=True)
+
+
+def test_drafts_verified_inside_the_rollout_give_the_off_run(engine_verified, runs):
+    """The same identity with the drafts verified by the engines instead of Megatron: drafts
+    accepted and cut, nothing verified before the rollout, and fewer decode steps."""
+    on, off = engine_verified, runs[1]
+    drafted = sum(r["spec/drafted_tokens"] for r in on["records"])
+    accepted = sum(r["spec/accepted_tokens"] for r in on["records"])
+    assert 0 < accepted < drafted, (accepted, drafted)
+    assert all(r["spec/verify_s"] == 0 for r in on["records"])
+    for step, (a, b) in enumerate(zip(on["rollouts"], off["rollouts"])):
+        assert a == b, f"step {step}: rollout tokens differ between in-rollout verification and off"
+    for a, b in zip(on["records"], off["records"]):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-6, abs=1e-9)
+    for name, tensor in on["weights"].items():
+        torch.testing.assert_close(tensor, off["weights"][name], rtol=1e-6, atol=1e-7, msg=name)
+    assert sum(r["rollout/decode_steps"] for r in on["records"][1:]) < \
+        sum(r["rollout/decode_steps"] for r in off["records"][1:])
+
+
 def test_continuation_counts_add_up_over_its_sources(runs):
     """configs/tiny.yaml proposes from every source; the per-source counts sum to the totals."""
     on, off = runs

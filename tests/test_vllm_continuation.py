@@ -325,3 +325,97 @@ def test_patches_refuse_another_vllm_version(monkeypatch):
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
     with pytest.raises(RuntimeError, match="0.32.0 in process, but vLLM 0.33.0"):
         vllm_patches.install()
+
+
+# ---------------------------------------------------------------- drafts verified in the rollout
+
+def test_own_draft_is_proposed_whole_until_the_response_leaves_it():
+    prompt, draft = [1, 2, 3], [10, 11, 12, 13, 14, 15]
+    c = Continuation(DraftPool(prompt, [], sources=()), k=3, draft=draft)
+    assert c.propose(prompt + [10], budget=10) == [11, 12, 13, 14, 15]   # after the prefill
+    c.record([11, 12, 13, 14, 15], 2)
+    assert c.draft_counts == [5, 2] and c.counts == {}   # apart from the pool's counts
+    assert c.propose(prompt + [10, 11, 12, 99], budget=10) == []   # left it: the draft is over
+    assert c.propose(prompt + [10, 11, 12, 99, 13], budget=10) == [] and c.draft is None
+    capped = Continuation(DraftPool(prompt, [], sources=()), k=3, draft=draft, draft_k=2)
+    assert capped.propose(prompt + [10], budget=10) == [11, 12]
+    assert capped.propose(prompt + [10, 11, 12], budget=1) == [13]   # the budget caps it
+    wrong_first = Continuation(DraftPool(prompt, [], sources=()), k=3, draft=draft)
+    assert wrong_first.propose(prompt + [7], budget=10) == []
+    # once the draft is over, the pool proposes (and only its proposals pause)
+    after = Continuation(DraftPool(prompt, [[10, 11, 12, 13, 14, 15]]), k=2, draft=[10, 11])
+    assert after.propose(prompt + [10], budget=10) == [11]
+    after.record([11], 1)
+    assert after.propose(prompt + [10, 11], budget=10) == [12, 13]
+    after.record([12, 13], 2)
+    assert after.by_source() == {"bubble": (2, 2)} and after.draft_counts == [1, 1]
+
+
+@pytest.fixture(scope="module")
+def verify_engine(checkpoint):
+    """An engine that verifies requests' own drafts (spec.verifier: engine), no continuation."""
+    engine = VLLMEngine(checkpoint, max_model_len=512, seed=0, verify_drafts=True)
+    yield engine
+    assert not engine.has_unfinished()
+
+
+def _drafts(responses, rng):
+    """Per request a draft kind: the whole response, a cut one, one wrong from position 9, a
+    wrong first token, none, and the whole response with junk past its end."""
+    kinds = [lambda r: list(r), lambda r: r[:20], lambda r: r[:9] + [(r[9] + 1) % VOCAB] + r[10:],
+             lambda r: [(r[0] + 1) % VOCAB] + r[1:], lambda r: [],
+             lambda r: list(r) + [rng.randrange(3, VOCAB) for _ in range(8)]]
+    return [kinds[i % len(kinds)](list(r)) for i, r in enumerate(responses)]
+
+
+@pytest.mark.parametrize("name", list(PARAMS))
+def test_drafts_verified_inside_the_rollout_equal_plain_keyed_decoding(verify_engine, plain,
+                                                                       prompts, keys, name):
+    from megatron_bubblespec.spec.verifier import InRolloutVerifier, accepted_in_rollout
+
+    want = plain[name]
+    drafts = _drafts([r.token_ids for r in want], random.Random(1))
+    with pytest.warns(RuntimeWarning, match="truncated to 48 tokens"):   # the junk past the end
+        checked = InRolloutVerifier(VOCAB).verify(_requests(f"own-{name}", prompts, keys), drafts)
+    assert checked.accepted == [None] * len(prompts) and checked.seconds == 0.0
+    got = verify_engine.generate(checked.requests, PARAMS[name])
+    _assert_same(got, want, f"own drafts/{name}")
+    accepted = [accepted_in_rollout(q, r.token_ids) for q, r in zip(checked.requests, got)]
+    # the longest common prefix of draft and response (the junk past the budget was cut)
+    assert accepted == [MAX_NEW, 20, 9, 0, 0, MAX_NEW]
+    steps = [r.decode_steps for r in got]
+    assert steps[0] == steps[5] == 1 and steps[1] == MAX_NEW - 20   # one verify step each
+    assert steps[3] == steps[4] == MAX_NEW - 1                       # nothing to save
+    assert verify_engine.last_engine_steps == MAX_NEW   # the undrafted requests set the pace
+    assert sum(r.proposed_tokens for r in got) == 0     # no continuation counts
+
+
+def test_in_rollout_verification_from_a_prefix_with_eos_and_a_malformed_draft(verify_engine,
+                                                                              plain, prompts,
+                                                                              keys):
+    from megatron_bubblespec.spec.verifier import InRolloutVerifier, accepted_in_rollout
+
+    want = plain["T0.7-p0.9"]
+    tokens = [r.token_ids for r in want]
+    eos = [(t[30],) if i == 2 else () for i, t in enumerate(tokens)]
+    stop = tokens[2].index(tokens[2][30])   # the response ends at the first such token
+    prefixes = [[], tokens[1][:5], [], [], [], []]
+    drafts = [t[len(p):] for t, p in zip(tokens, prefixes)]
+    drafts[3] = drafts[3][:10] + [VOCAB + 7] + drafts[3][11:]   # an id outside the vocabulary
+    requests = _requests("own-prefix", prompts, keys, prefixes=prefixes, eos=eos)
+    with pytest.warns(RuntimeWarning, match="request 'own-prefix-3': draft token 263"):
+        checked = InRolloutVerifier(VOCAB).verify(requests, drafts)
+    assert checked.requests[3].draft == [] and checked.requests[1].draft == tokens[1]
+    got = verify_engine.generate(checked.requests, PARAMS["T0.7-p0.9"])
+    assert got[2].finish_reason == "eos" and got[2].token_ids == tokens[2][:stop + 1]
+    _assert_same(got[:2] + got[3:], want[:2] + want[3:], "prefix/eos/malformed")
+    accepted = [accepted_in_rollout(q, r.token_ids) for q, r in zip(checked.requests, got)]
+    assert accepted == [MAX_NEW, MAX_NEW - 5, stop + 1, 0, MAX_NEW, MAX_NEW]
+
+
+def test_a_draft_needs_an_engine_that_verifies_it(plain_engine, prompts, keys):
+    request = _requests("no-verify", prompts[:1], keys)[0]
+    request.draft = [5, 6, 7]
+    with pytest.raises(ValueError, match="verify_drafts=True"):
+        plain_engine.add([request], PARAMS["T1"])
+    assert not plain_engine.has_unfinished()

@@ -116,12 +116,16 @@ def validate(cfg: Config) -> None:
     if cfg.rollout.prompts_per_step % p.data:
         raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible "
                           f"by parallel.data={p.data} (each DP rank gets whole prompt groups)")
-    if cfg.spec.verifier == "engine" and (cfg.rollout.engine != "reference" or p.tensor != 1
-                                          or p.pipeline != 1):
-        raise ConfigError("spec.verifier=engine verifies in the rollout engine, which only the "
-                          "reference engine can do (vLLM returns no full next-token "
-                          "distributions) and only at parallel.tensor=parallel.pipeline=1; use "
-                          "spec.verifier=megatron or rollout.engine=reference")
+    if cfg.spec.verifier == "engine" and cfg.rollout.engine == "reference" and (
+            p.tensor != 1 or p.pipeline != 1):
+        raise ConfigError("spec.verifier=engine with rollout.engine=reference verifies in the "
+                          "reference engine, which runs only at parallel.tensor=parallel.pipeline"
+                          "=1; use spec.verifier=megatron, or rollout.engine=vllm (which verifies "
+                          "inside its rollout at any layout)")
+    if cfg.spec.verifier == "engine" and cfg.rollout.engine == "vllm" and cfg.spec.rule != "keyed":
+        raise ConfigError(f"spec.verifier=engine on vLLM verifies with the keyed rule only "
+                          f"(spec.rule={cfg.spec.rule!r} needs the drafts' distributions); use "
+                          "spec.rule=keyed, or rollout.engine=reference")
     if cfg.spec.enabled and cfg.spec.rule != "keyed":
         # residual/lenient need the drafter's full distribution q for every draft token.
         if cfg.rollout.engine != "reference" or p.tensor != 1 or p.pipeline != 1:

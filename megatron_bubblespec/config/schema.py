@@ -74,7 +74,7 @@ class SpecConfig:
     enabled: bool = True
     rule: str = "keyed"             # keyed (exact); residual/lenient exist for ablations only
     lenience: float = 2.0           # the lenient rule accepts when u <= lenience * p/q (SPEC-RL)
-    verifier: str = "megatron"      # megatron | engine (reference engine, TP = PP = 1)
+    verifier: str = "megatron"      # megatron | engine (vLLM: inside the rollout, any layout; reference: TP = PP = 1)
     max_draft_tokens: int = 64      # per sample
     draft_chunk: int = 2            # samples claimed from the shared cursor at a time
     draft_in_flight: int = 32       # next-step samples a drafting rank keeps in its engine at once

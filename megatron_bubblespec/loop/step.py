@@ -26,7 +26,7 @@ from megatron_bubblespec.sampling import sample_key
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult, settle_eos
 from megatron_bubblespec.spec.drafts import Draft, exchange
 from megatron_bubblespec.spec.queue import Sample
-from megatron_bubblespec.spec.verifier import apply_verification
+from megatron_bubblespec.spec.verifier import accepted_in_rollout
 from megatron_bubblespec.train.grpo import group_advantages
 from megatron_bubblespec.train.onpolicy import check_on_policy
 from megatron_bubblespec.train.trainer import GRPOBatch, gather_responses
@@ -45,8 +45,15 @@ class Verified:
 
     requests: list[RolloutRequest]   # with the verified tokens as their fixed response prefix
     drafted: list[int]               # draft tokens per sample (0: no draft)
-    accepted: list[int]              # accepted draft tokens per sample
+    accepted: list[int | None]       # accepted draft tokens per sample (None: the rollout settles it)
     seconds: float
+
+    def settled(self, share, results: list[RolloutResult]) -> list[int]:
+        """An engine's share of ``accepted``, with the drafts verified inside its rollout
+        settled from its ``results`` (in share order)."""
+        return [accepted_in_rollout(request, result.token_ids) if accepted is None else accepted
+                for request, accepted, result in zip(share(self.requests), share(self.accepted),
+                                                     results)]
 
 
 @dataclass
@@ -92,7 +99,8 @@ def pending_drafts(rep: Replica, step: int) -> dict[int, Draft]:
 
 def verify(rep: Replica, requests: list[RolloutRequest], samples: range,
            pending: dict[int, Draft]) -> Verified:
-    """Stage 1: the step-t policy checks the drafts of the replica's samples -> fixed prefixes.
+    """Stage 1: the step-t policy checks the drafts of the replica's samples -> fixed prefixes
+    (or, verified inside the rollout, the drafts go along with their requests).
 
     Only samples that have a draft are verified; the others go to the engine unchanged, which
     draws the same first token the verifier would have."""
@@ -101,9 +109,9 @@ def verify(rep: Replica, requests: list[RolloutRequest], samples: range,
     out = Verified(list(requests), [0] * len(requests), [0] * len(requests), 0.0)
     if not drafts:
         return out
-    result, out.seconds = rep.verifier.verify([requests[i] for i in drafted], drafts)
-    fixed = apply_verification([requests[i] for i in drafted], result, drafts)
-    for i, request, draft, accepted in zip(drafted, fixed, drafts, result.accepted.tolist()):
+    checked = rep.verifier.verify([requests[i] for i in drafted], drafts)
+    out.seconds = checked.seconds
+    for i, request, draft, accepted in zip(drafted, checked.requests, drafts, checked.accepted):
         out.requests[i], out.drafted[i], out.accepted[i] = request, len(draft), accepted
     return out
 
@@ -295,7 +303,8 @@ def run_step(rep: Replica, step: int) -> StepOutput:
     if drafted is not None:
         mine.bubble = drafted[1]
     share = rep.layout.share
-    return StepOutput(engine_metrics(rep, mine, share(verified.drafted), share(verified.accepted),
+    return StepOutput(engine_metrics(rep, mine, share(verified.drafted),
+                                     verified.settled(share, mine.results),
                                      verified.seconds, share(rewards), sync_metrics),
                       train_metrics, dict(zip(share(samples), (list(r.token_ids)
                                                               for r in mine.results))))

@@ -26,6 +26,7 @@ def engine_options(cfg) -> dict[str, Any]:
                 keep_previous_weights=s.enabled and s.rule != "keyed",
                 sleep_mode=r.sleep_during_train,
                 speculative_continuation=s.enabled and s.speculative_continuation,
+                verify_drafts=s.enabled and s.verifier == "engine" and r.engine == "vllm",
                 spec_k=s.spec_k, spec_min_match=s.min_match, spec_max_match=s.max_match,
                 proposal_sources=tuple(s.proposal_sources))
 
@@ -38,7 +39,8 @@ def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | N
     """Start an engine of ``kind`` on the HF directory ``path``.
 
     ``continuation`` (``speculative_continuation``, ``spec_k``, ``spec_min_match``,
-    ``spec_max_match``, ``proposal_sources``) configures speculative continuation; ``keep_previous_weights`` keeps the
+    ``spec_max_match``, ``proposal_sources``) configures speculative continuation, and
+    ``verify_drafts`` vLLM's verification of requests' own drafts; ``keep_previous_weights`` keeps the
     drafting policy the reference engine needs for the ablation rules; ``keyed=False`` gives a vLLM
     engine on vLLM's own sampler (the benchmark's baseline, see ``VLLMEngine``); ``sleep_mode``
     lets a GPU vLLM engine free its memory while Megatron trains. With ``tensor_parallel`` > 1
@@ -48,6 +50,7 @@ def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | N
     if kind == "reference":
         from megatron_bubblespec.rollout.reference import ReferenceEngine
 
+        continuation.pop("verify_drafts", None)   # it verifies before the rollout (EngineVerifier)
         return ReferenceEngine(path, dtype=getattr(torch, dtype), max_model_len=max_model_len,
                                keep_previous_weights=keep_previous_weights, **continuation)
     if kind != "vllm":

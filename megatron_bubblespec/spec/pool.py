@@ -92,9 +92,17 @@ class DraftPool:
 
 
 class Continuation:
-    """One sample's speculative continuation: pool proposals of up to ``k`` tokens, and a pause
-    after repeated misses (a rejected proposal costs compute: a k-token verify step is slower than
-    a plain step on a CPU).
+    """One sample's speculative continuation: its own draft first, then pool proposals of up to
+    ``k`` tokens, and a pause after repeated pool misses (a rejected proposal costs compute: a
+    k-token verify step is slower than a plain step on a CPU).
+
+    ``draft`` (``spec.verifier: engine``): the sample's own draft, in response positions. While
+    the response so far is a prefix of it, the sample proposes the draft's next ``draft_k``
+    tokens (all of them by default), so the engine verifies the draft in its own forward, with the
+    prompt already in its KV cache and nothing prefilled twice. The first token the response
+    disagrees with the draft ends it for good: the accepted prefix is the longest common prefix of
+    response and draft. Draft proposals are counted apart (``draft_counts``), never pause the
+    pool, and are not in ``counts``.
 
     After ``MISSES_BEFORE_PAUSE`` proposals in a row with nothing accepted, the sample stops
     proposing for a number of its decode steps that doubles with every pause (at most
@@ -107,11 +115,20 @@ class Continuation:
     MISSES_BEFORE_PAUSE = 2
     MAX_PAUSE = 16
 
-    def __init__(self, pool: DraftPool, k: int):
+    DRAFT = "draft"   # the source name of own-draft proposals
+
+    def __init__(self, pool: DraftPool, k: int, draft: Sequence[int] = (),
+                 draft_k: int | None = None):
         if k < 1:
             raise ValueError(f"need k >= 1 proposed tokens, got {k}")
+        if draft_k is not None and draft_k < 1:
+            raise ValueError(f"need draft_k >= 1 proposed draft tokens, got {draft_k}")
         self.pool, self.k = pool, k
+        self.draft: list[int] | None = [int(t) for t in draft] or None   # None: ended or none
+        self.draft_k = draft_k
+        self._draft_checked = 0                  # response tokens compared with the draft so far
         self.counts: dict[str, list[int]] = {}   # source -> [proposed, accepted]
+        self.draft_counts = [0, 0]               # own-draft tokens [proposed, accepted]
         self._source: str | None = None          # of the proposal awaiting its verdict
         self._misses = self._pause = self._waiting = 0
 
@@ -132,15 +149,40 @@ class Continuation:
         prompt + response; ``budget``: tokens the response may still take after the one this step
         surely emits)."""
         self.pool.observe(context)
+        own = self._draft_proposal(context, budget)
+        if own:
+            self._source = self.DRAFT
+            return own
         if self._waiting > 0:
             self._waiting -= 1
             return []
         proposal, self._source = self.pool.propose(context, min(self.k, budget))
         return proposal
 
+    def _draft_proposal(self, context: Sequence[int], budget: int) -> list[int]:
+        """The own draft's next tokens while the response so far is a prefix of it, else []."""
+        if self.draft is None or budget <= 0:
+            return []
+        response = context[self.pool.prompt_len:]
+        n = len(response)
+        for position in range(self._draft_checked, min(n, len(self.draft))):
+            if int(response[position]) != self.draft[position]:
+                self.draft = None
+                return []
+        self._draft_checked = n
+        if n >= len(self.draft):
+            self.draft = None
+            return []
+        width = min(budget, self.draft_k or len(self.draft))
+        return self.draft[n:n + width]
+
     def record(self, proposal: Sequence[int], accepted: int) -> None:
         """The verifier kept the first ``accepted`` tokens of ``proposal``."""
         if not proposal:
+            return
+        if self._source == self.DRAFT:
+            self.draft_counts[0] += len(proposal)
+            self.draft_counts[1] += accepted
             return
         counts = self.counts.setdefault(self._source or "bubble", [0, 0])
         counts[0] += len(proposal)
