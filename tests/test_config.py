@@ -33,6 +33,7 @@ def test_text_overrides_keep_their_text():
     (["spec.verifier=engine", "rollout.engine=reference", "parallel.world_size=2",
       "parallel.tensor=2", "parallel.data=1"], "spec.verifier=engine with rollout.engine=reference"),
     (["spec.verifier=engine", "spec.rule=residual"], "spec.verifier=engine on vLLM"),
+    (["spec.proposal_token_cost=-0.1"], "spec.proposal_token_cost"),
     (["noequals"], "key=value"),
     (["bogus.key=1"], "bogus"),
 ])

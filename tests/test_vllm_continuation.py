@@ -121,13 +121,13 @@ def _pools(kind, responses, seed=0):
     raise ValueError(kind)
 
 
-def _assert_same(got, want, label):
+def _assert_same(got, want, label, tol=LOGPROB_TOL):
     for i, (g, w) in enumerate(zip(got, want)):
         assert g.token_ids == w.token_ids, f"{label}: request {i} tokens differ"
         assert g.finish_reason == w.finish_reason, f"{label}: request {i}"
         assert len(g.logprobs) == len(w.logprobs)
         diff = max((abs(a - b) for a, b in zip(g.logprobs, w.logprobs)), default=0.0)
-        assert diff <= LOGPROB_TOL, f"{label}: request {i} logprobs differ by {diff:.2e}"
+        assert diff <= tol, f"{label}: request {i} logprobs differ by {diff:.2e}"
 
 
 @pytest.mark.parametrize("kind", ["true", "corrupted", "random", "shifted", "empty", "siblings"])
@@ -419,3 +419,78 @@ def test_a_draft_needs_an_engine_that_verifies_it(plain_engine, prompts, keys):
     with pytest.raises(ValueError, match="verify_drafts=True"):
         plain_engine.add([request], PARAMS["T1"])
     assert not plain_engine.has_unfinished()
+
+
+def test_drafts_longer_than_the_rejection_samplers_limit_are_verified_in_pieces(
+        verify_engine, plain_engine, prompts, keys):
+    """vLLM verifies at most VLLM_MAX_SPEC_TOKENS proposed tokens per request and step: a longer
+    draft is proposed that many tokens a step, with the same tokens as plain decoding."""
+    from megatron_bubblespec.config.load import VLLM_MAX_SPEC_TOKENS
+    from megatron_bubblespec.spec.verifier import InRolloutVerifier, accepted_in_rollout
+
+    long_new = 2 * VLLM_MAX_SPEC_TOKENS + 40
+    want = plain_engine.generate(_requests("plain-long", prompts[:2], keys, max_new=long_new),
+                                 PARAMS["T1"])
+    drafts = [list(want[0].token_ids), want[1].token_ids[:200] + [(want[1].token_ids[200] + 1)
+                                                                  % VOCAB]]
+    checked = InRolloutVerifier(VOCAB).verify(
+        _requests("own-long", prompts[:2], keys, max_new=long_new), drafts)
+    got = verify_engine.generate(checked.requests, PARAMS["T1"])
+    # a 128-token verify step is another attention shape than a one-token decode step: the raw
+    # logprobs may differ in the last float32 bits (1.4e-6 seen), the tokens may not
+    _assert_same(got, want, "long drafts", tol=1e-5)
+    assert [accepted_in_rollout(q, r.token_ids) for q, r in zip(checked.requests, got)] == \
+        [long_new, 200]
+    # prefill, then ceil((long_new - 1) / limit) verify steps
+    assert got[0].decode_steps == -(-(long_new - 1) // VLLM_MAX_SPEC_TOKENS)
+
+
+def test_proposals_pay_at_their_acceptance_with_a_token_cost():
+    """With a token cost, a sample proposes the width with the most expected tokens per step
+    cost at its recent acceptance, none (a probe, then a pause) when nothing pays."""
+    prompt, text = [1, 2, 3], [10, 11, 12, 13, 14, 15, 16, 17]
+    fixed = Continuation(DraftPool(prompt, [text]), k=4)
+    assert fixed.width() == 4 and fixed.acceptance == 0.5
+    cheap = Continuation(DraftPool(prompt, [text]), k=4, token_cost=0.0)
+    assert cheap.width() == 4   # free tokens: always all of k
+    c = Continuation(DraftPool(prompt, [text]), k=4, token_cost=0.4)
+    assert c.width() == 1       # a = 1/2: (1 + 1/2) / 1.4 beats a plain step, more does not
+    for _ in range(4):          # every proposed token accepted: the acceptance climbs
+        proposal = c.propose(prompt + text[:2], budget=10)
+        c.record(proposal, len(proposal))
+    # a = 0.85: 1 + a + a^2 + a^3 over 1 + 3 * 0.4 is the best ratio
+    assert c.acceptance > 0.8 and c.width() == 3
+    assert c.propose(prompt + text[:2], budget=10) == [12, 13, 14]
+    c.record([12, 13, 14], 0)
+    for _ in range(6):          # rejected at once, again and again: nothing pays
+        c.record([12], 0)
+    assert c.acceptance < 0.3 and c.width() == 0
+    # from now on one-token probes (left unrecorded here), each followed by a longer pause
+    widths = [len(c.propose(prompt + text[:2], budget=10)) for _ in range(60)]
+    probes = [i for i, w in enumerate(widths) if w]
+    assert set(widths) == {0, 1} and len(probes) >= 3
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert all(g2 > g1 or g2 == Continuation.MAX_PAUSE + 1 for g1, g2 in zip(gaps, gaps[1:]))
+    with pytest.raises(ValueError, match="token_cost >= 0"):
+        Continuation(DraftPool(prompt, [text]), k=4, token_cost=-1.0)
+
+
+def test_adaptive_proposals_keep_the_tokens_and_both_engines_agree(checkpoint, plain, prompts,
+                                                                   keys):
+    """spec.proposal_token_cost: each sample's width follows its acceptance; both engines make
+    the same choices (the same proposals and counts) and the tokens stay plain decoding's."""
+    options = dict(speculative_continuation=True, spec_k=SPEC_K, spec_min_match=2,
+                   spec_max_match=8, proposal_sources=ALL_SOURCES, spec_token_cost=0.4)
+    engine, reference = VLLMEngine(checkpoint, max_model_len=512, seed=0, **options), \
+        ReferenceEngine(checkpoint, **options)
+    want = plain["T1"]
+    pools = _pools("siblings", [r.token_ids for r in want], seed=5)
+    got = engine.generate(_requests("adaptive", prompts, keys, pools), PARAMS["T1"])
+    ref = reference.generate(_requests("ref-adaptive", prompts, keys, pools), PARAMS["T1"])
+    _assert_same(got, want, "adaptive")
+    for i, (v, r) in enumerate(zip(got, ref)):
+        assert v.token_ids == r.token_ids and v.by_source == r.by_source, f"request {i}"
+    proposed = sum(r.proposed_tokens for r in got)
+    accepted = sum(r.accepted_tokens for r in got)
+    assert 0 < accepted < proposed
+    assert engine.last_engine_steps == reference.last_engine_steps

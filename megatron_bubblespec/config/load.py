@@ -19,7 +19,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from megatron_bubblespec.config.schema import BOUNDS, CHOICES, PROPOSAL_SOURCES, Config
 
-VLLM_MAX_SPEC_TOKENS = 128   # proposed tokens per request and step vLLM's spec decoding takes
+VLLM_MAX_SPEC_TOKENS = 128   # proposed tokens per request and step vLLM's rejection sampler takes (MAX_SPEC_LEN)
 
 
 class ConfigError(ValueError):
@@ -148,6 +148,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"spec.spec_k={cfg.spec.spec_k}: vLLM's rejection sampler verifies at "
                           f"most {VLLM_MAX_SPEC_TOKENS} proposed tokens per step; lower "
                           "spec.spec_k")
+    if cfg.spec.proposal_token_cost is not None and cfg.spec.proposal_token_cost < 0:
+        raise ConfigError(f"spec.proposal_token_cost={cfg.spec.proposal_token_cost}: the cost of "
+                          "a proposed token as a fraction of a decode step must be >= 0 (about "
+                          "0.4 on a CPU, near 0 on a GPU), or null for always spec.spec_k")
     if cfg.spec.min_match > cfg.spec.max_match:
         raise ConfigError(f"spec.min_match={cfg.spec.min_match} must be <= spec.max_match="
                           f"{cfg.spec.max_match}")

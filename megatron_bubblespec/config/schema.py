@@ -83,6 +83,9 @@ class SpecConfig:
     # text, its own text so far; each switchable, each counted in spec/continuation_*/<source>
     proposal_sources: list[str] = field(default_factory=lambda: ["bubble"])
     spec_k: int = 4
+    # the cost of one proposed token, as a fraction of a decode step: each sample then proposes
+    # the 0 .. spec_k tokens that pay at its recent acceptance (spec.pool); none: always spec_k
+    proposal_token_cost: Optional[float] = None
     min_match: int = 2
     max_match: int = 8
     barrier_timeout_s: float = 600.0

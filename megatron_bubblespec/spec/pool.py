@@ -106,7 +106,17 @@ class Continuation:
 
     After ``MISSES_BEFORE_PAUSE`` proposals in a row with nothing accepted, the sample stops
     proposing for a number of its decode steps that doubles with every pause (at most
-    ``MAX_PAUSE``); an accepted token resets both. Both engines call ``propose`` once per decode
+    ``MAX_PAUSE``); an accepted token resets both.
+
+    ``token_cost`` (``spec.proposal_token_cost``, None: always up to ``k``): the cost of one
+    proposed token as a fraction of a plain decode step (a step verifying j tokens costs
+    1 + token_cost * j steps). The sample then proposes the j in 0 .. k that maximises expected
+    emitted tokens per cost, (1 - a^(j+1)) / (1 - a) / (1 + token_cost * j), with a its recent
+    per-token acceptance (accepted tokens and rejections counted with a decay of ``DECAY`` per
+    proposal, and one of each as a prior). When no j beats a plain step it proposes one token as
+    a probe and pauses as after misses, so a sample whose proposals start to match finds out.
+
+    Both engines call ``propose`` once per decode
     step with the sample's whole text (prompt + response) and ``record`` once per verified
     proposal, so they propose the same tokens. ``counts`` holds (proposed, accepted) tokens per
     source.
@@ -114,16 +124,20 @@ class Continuation:
 
     MISSES_BEFORE_PAUSE = 2
     MAX_PAUSE = 16
+    DECAY = 0.8
 
     DRAFT = "draft"   # the source name of own-draft proposals
 
     def __init__(self, pool: DraftPool, k: int, draft: Sequence[int] = (),
-                 draft_k: int | None = None):
+                 draft_k: int | None = None, token_cost: float | None = None):
         if k < 1:
             raise ValueError(f"need k >= 1 proposed tokens, got {k}")
         if draft_k is not None and draft_k < 1:
             raise ValueError(f"need draft_k >= 1 proposed draft tokens, got {draft_k}")
-        self.pool, self.k = pool, k
+        if token_cost is not None and token_cost < 0:
+            raise ValueError(f"need token_cost >= 0 (a fraction of a decode step), got {token_cost}")
+        self.pool, self.k, self.token_cost = pool, k, token_cost
+        self._hits = self._rejections = 0.0      # decayed accepted tokens and rejections
         self.draft: list[int] | None = [int(t) for t in draft] or None   # None: ended or none
         self.draft_k = draft_k
         self._draft_checked = 0                  # response tokens compared with the draft so far
@@ -156,8 +170,32 @@ class Continuation:
         if self._waiting > 0:
             self._waiting -= 1
             return []
-        proposal, self._source = self.pool.propose(context, min(self.k, budget))
+        width = self.width()
+        proposal, self._source = self.pool.propose(context, min(max(width, 1), budget))
+        if width == 0 and proposal:   # nothing pays: this was a one-token probe; now a pause
+            self._pause = min(self.MAX_PAUSE, max(1, 2 * self._pause))
+            self._waiting = self._pause
         return proposal
+
+    @property
+    def acceptance(self) -> float:
+        """Recent per-token acceptance of the pool's proposals (1/2 before any)."""
+        return (self._hits + 1) / (self._hits + self._rejections + 2)
+
+    def width(self) -> int:
+        """Pool tokens to propose next: ``k``, or with a ``token_cost`` the j in 0 .. k with the
+        most expected emitted tokens per step cost (0: none beats a plain step)."""
+        if self.token_cost is None:
+            return self.k
+        a, best, best_gain = self.acceptance, 0, 1.0
+        emitted = term = 1.0
+        for j in range(1, self.k + 1):
+            term *= a
+            emitted += term
+            gain = emitted / (1 + self.token_cost * j)
+            if gain > best_gain:
+                best, best_gain = j, gain
+        return best
 
     def _draft_proposal(self, context: Sequence[int], budget: int) -> list[int]:
         """The own draft's next tokens while the response so far is a prefix of it, else []."""
@@ -187,6 +225,8 @@ class Continuation:
         counts = self.counts.setdefault(self._source or "bubble", [0, 0])
         counts[0] += len(proposal)
         counts[1] += accepted
+        self._hits = self.DECAY * self._hits + accepted
+        self._rejections = self.DECAY * self._rejections + (accepted < len(proposal))
         if accepted:
             self._misses = self._pause = 0
             return
