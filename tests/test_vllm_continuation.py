@@ -494,3 +494,21 @@ def test_adaptive_proposals_keep_the_tokens_and_both_engines_agree(checkpoint, p
     accepted = sum(r.accepted_tokens for r in got)
     assert 0 < accepted < proposed
     assert engine.last_engine_steps == reference.last_engine_steps
+
+
+def test_a_prefix_without_its_logprobs_keeps_the_tokens(plain_engine, plain, prompts, keys):
+    """Bubble drafts extend a partial draft and need no logprobs over it (vLLM would run a
+    full-vocabulary pass over every prefix position): NaN there, the same tokens and logprobs
+    after it."""
+    want = plain["T1"]
+    cuts = [0, 1, 5, 17, 30, MAX_NEW - 1]
+    requests = _requests("no-prefix-logprobs", prompts, keys,
+                         prefixes=[r.token_ids[:c] for r, c in zip(want, cuts)])
+    for request in requests:
+        request.prefix_logprobs = False
+    got = plain_engine.generate(requests, PARAMS["T1"])
+    for r, w, c in zip(got, want, cuts):
+        assert r.token_ids == w.token_ids
+        assert all(x != x for x in r.logprobs[:c])   # NaN
+        assert max((abs(a - b) for a, b in zip(r.logprobs[c:], w.logprobs[c:])),
+                   default=0.0) <= LOGPROB_TOL

@@ -181,6 +181,7 @@ def bubble(rep: Replica, step: int) -> tuple[list[Draft], dict] | None:
 
     def next_request(sample: Sample) -> RolloutRequest:
         request = sample_request(rep, *sample, queue.budget, "draft")
+        request.prefix_logprobs = False   # a draft is tokens: no logprobs over its old part
         earlier = queue.get(*sample)
         if earlier is not None:   # extend it; a prefix may hold no EOS (a corrupted draft might)
             kept, ended = settle_eos(earlier.tokens, queue.eos_token_ids)

@@ -359,8 +359,8 @@ class VLLMEngine(RolloutEngine):
             n=1, temperature=0.0,   # greedy: vLLM's sampler takes the token the processor forced
             max_tokens=max_tokens,
             stop_token_ids=list(request.eos_token_ids), ignore_eos=True,
-            logprobs=0, prompt_logprobs=0 if n_prefix else None, detokenize=False,
-            extra_args=extra_args)
+            logprobs=0, prompt_logprobs=0 if n_prefix and request.prefix_logprobs else None,
+            detokenize=False, extra_args=extra_args)
 
     def add(self, requests: Iterable[RolloutRequest], params: SamplingParams) -> None:
         requests = list(requests)
@@ -456,7 +456,7 @@ class VLLMEngine(RolloutEngine):
             generated, generated_logprobs = live.token_ids, live.logprobs
             decode_steps = max(0, live.emitting_steps - 1)
         prefix_logprobs = live.prefix_logprobs
-        if prefix_logprobs is None:  # only when aborted before the prefill finished
+        if prefix_logprobs is None:  # not asked for, or aborted before the prefill finished
             prefix_logprobs = [math.nan] * len(prefix)
         return RolloutResult(request.request_id, prefix + generated,
                              list(prefix_logprobs) + generated_logprobs, decode_steps, reason,

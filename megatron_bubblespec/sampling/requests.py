@@ -37,6 +37,7 @@ class RolloutRequest:
     eos_token_ids: tuple[int, ...] = ()
     draft_pool: list[list[int]] = field(default_factory=list)  # drafts of the same prompt (speculative continuation)
     draft: list[int] = field(default_factory=list)  # its own draft, verified inside the engine's forward
+    prefix_logprobs: bool = True   # the prefix's logprobs are wanted (a full-vocabulary prefill pass)
 
     def __post_init__(self):
         if not self.prompt_token_ids:
