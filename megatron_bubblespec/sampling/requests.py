@@ -3,7 +3,8 @@ the bubble drafter and the loop (below all of them, so none imports another to n
 
 A request is one sample: prompt, the sample's key, its response budget, an optional response
 prefix already fixed by verification, its EOS ids, the prompt's drafts for speculative
-continuation, and its own draft when the engine verifies it (``spec.verifier: engine``). A result is the whole response (prefix included) with one logprob per token.
+continuation, and its own draft when the engine verifies it (``spec.verifier: engine``). A
+result is the whole response (prefix included) with one logprob per token.
 ``settle_eos`` is the one rule, used by every engine and verifier, for where a response ends.
 """
 
