@@ -28,24 +28,17 @@ up to floating-point differences between the two forwards.
 from __future__ import annotations
 
 import time
-from typing import Sequence
 
 import torch
 
 from megatron_bubblespec.sampling.requests import RolloutRequest
 from megatron_bubblespec.sampling import SamplingParams
-from megatron_bubblespec.spec.validate import verifiable_draft
+from megatron_bubblespec.spec.validate import request_draft
 from megatron_bubblespec.spec.verify import Verification, verify_keyed
 from megatron_bubblespec.tokens import pad_token_rows
 from megatron_bubblespec.train.forward import megatron_forward
 
 PAD_ID = 0
-
-
-def _checked_draft(request: RolloutRequest, draft: Sequence[int], vocab_size: int) -> list[int]:
-    """The draft cut to the request's budget left; an empty one if it holds a non-token id."""
-    budget = request.max_new_tokens - len(request.response_prefix)
-    return verifiable_draft(draft, vocab_size, budget, f"request {request.request_id!r}") or []
 
 
 class MegatronVerifier:
@@ -89,7 +82,7 @@ class MegatronVerifier:
         if n == 0:
             empty = torch.zeros(0, dtype=torch.int64)
             return Verification(empty, empty.clone(), torch.zeros(0, dtype=torch.bool))
-        drafts = [_checked_draft(r, d, self.spec.vocab_size) for r, d in zip(requests, drafts)]
+        drafts = [request_draft(r, d, self.spec.vocab_size) for r, d in zip(requests, drafts)]
         rows = [list(r.prompt_token_ids) + list(r.response_prefix) + d
                 for r, d in zip(requests, drafts)]
         mbs = min(micro_batch_size or n, n)

@@ -34,3 +34,10 @@ def verifiable_draft(tokens: Sequence, vocab_size: int, budget: int, name: str) 
                       stacklevel=2)
         checked = checked[:budget]
     return checked
+
+
+def request_draft(request, draft: Sequence, vocab_size: int) -> list[int]:
+    """A rollout request's draft as a verifier may check it: cut to the budget the request has
+    left after its fixed prefix, empty (one plain keyed draw) if it holds a non-token id."""
+    budget = request.max_new_tokens - len(request.response_prefix)
+    return verifiable_draft(draft, vocab_size, budget, f"request {request.request_id!r}") or []

@@ -28,7 +28,7 @@ import torch
 
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.sampling.requests import RolloutRequest
-from megatron_bubblespec.spec.validate import verifiable_draft
+from megatron_bubblespec.spec.validate import request_draft
 from megatron_bubblespec.spec.verify import Verification
 
 
@@ -94,11 +94,9 @@ class InRolloutVerifier:
     def verify(self, requests, drafts) -> Checked:
         carried = []
         for request, draft in zip(requests, drafts):
-            prefix = list(request.response_prefix)
-            budget = request.max_new_tokens - len(prefix)
-            draft = verifiable_draft(draft, self.vocab_size, budget,
-                                     f"request {request.request_id!r}") or []
-            carried.append(replace(request, draft=prefix + draft if draft else []))
+            draft = request_draft(request, draft, self.vocab_size)
+            carried.append(replace(request, draft=list(request.response_prefix) + draft
+                                   if draft else []))
         return Checked(carried, [None] * len(carried), 0.0)
 
 
