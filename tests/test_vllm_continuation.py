@@ -261,15 +261,31 @@ def test_continuation_pauses_after_misses():
 ALL_SOURCES = ("bubble", "prompt", "self")
 
 
-def test_every_proposal_source_keeps_the_tokens_and_both_engines_agree(checkpoint, plain, prompts,
-                                                                      keys):
+SOURCES_OPTIONS = dict(speculative_continuation=True, spec_k=SPEC_K, spec_min_match=2,
+                       spec_max_match=8, proposal_sources=ALL_SOURCES)
+ADAPTIVE_OPTIONS = dict(SOURCES_OPTIONS, spec_token_cost=0.4)
+
+
+# Every vLLM engine of this module lives until the module ends: an in-process engine's teardown
+# takes vLLM's per-process distributed state with it, for the module's other engines too.
+@pytest.fixture(scope="module")
+def sources_engine(checkpoint):
+    return VLLMEngine(checkpoint, max_model_len=512, seed=0, **SOURCES_OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def adaptive_engine(checkpoint):
+    return VLLMEngine(checkpoint, max_model_len=512, seed=0, **ADAPTIVE_OPTIONS)
+
+
+def test_every_proposal_source_keeps_the_tokens_and_both_engines_agree(checkpoint, sources_engine,
+                                                                      plain, prompts, keys):
     """Prompt and own-text proposals beside the drafts: the plain tokens, the same proposals and
     per-source counts in both engines, and each source's proposals both accepted and rejected
     over T = 1 and greedy (greedy text of a random model loops: its own text predicts it)."""
-    options = dict(speculative_continuation=True, spec_k=SPEC_K, spec_min_match=2,
-                   spec_max_match=8, proposal_sources=ALL_SOURCES)
-    engine = VLLMEngine(checkpoint, max_model_len=512, seed=0, **options)
-    reference, plain_reference = ReferenceEngine(checkpoint, **options), ReferenceEngine(checkpoint)
+    engine = sources_engine
+    reference = ReferenceEngine(checkpoint, **SOURCES_OPTIONS)
+    plain_reference = ReferenceEngine(checkpoint)
     # prompts that quote the text the model goes on to write (greedy text of a random model
     # loops), so the prompt source has something to propose
     prompts = [p + r.token_ids[:24] for p, r in zip(prompts, plain["greedy"])]
@@ -475,14 +491,11 @@ def test_proposals_pay_at_their_acceptance_with_a_token_cost():
         Continuation(DraftPool(prompt, [text]), k=4, token_cost=-1.0)
 
 
-def test_adaptive_proposals_keep_the_tokens_and_both_engines_agree(checkpoint, plain, prompts,
-                                                                   keys):
+def test_adaptive_proposals_keep_the_tokens_and_both_engines_agree(checkpoint, adaptive_engine,
+                                                                   plain, prompts, keys):
     """spec.proposal_token_cost: each sample's width follows its acceptance; both engines make
     the same choices (the same proposals and counts) and the tokens stay plain decoding's."""
-    options = dict(speculative_continuation=True, spec_k=SPEC_K, spec_min_match=2,
-                   spec_max_match=8, proposal_sources=ALL_SOURCES, spec_token_cost=0.4)
-    engine, reference = VLLMEngine(checkpoint, max_model_len=512, seed=0, **options), \
-        ReferenceEngine(checkpoint, **options)
+    engine, reference = adaptive_engine, ReferenceEngine(checkpoint, **ADAPTIVE_OPTIONS)
     want = plain["T1"]
     pools = _pools("siblings", [r.token_ids for r in want], seed=5)
     got = engine.generate(_requests("adaptive", prompts, keys, pools), PARAMS["T1"])

@@ -363,13 +363,11 @@ def test_update_weights_in_place(engine, checkpoint, prompts, tmp_path_factory):
     assert engine.weight_version == version + 1
     after = run(engine, "w-after")
     # the reference engine also prefills in chunks of 64 tokens (the long prompt takes 4 steps)
+    # (it stays alive to the end of the test: its teardown would take vLLM's per-process
+    # distributed state from `engine` too)
     fresh = VLLMEngine(other, max_model_len=MAX_MODEL_LEN, seed=0, max_num_batched_tokens=64,
                        enable_chunked_prefill=True)
-    try:
-        expected = run(fresh, "w-fresh")
-    finally:
-        del fresh
-        gc.collect()
+    expected = run(fresh, "w-fresh")
     for mine, ref, old in zip(after, expected, before):
         assert mine.token_ids == ref.token_ids
         assert mine.decode_steps == ref.decode_steps == 15
@@ -407,3 +405,13 @@ def test_update_weights_of_a_tied_model_updates_the_lm_head(tmp_path):
     assert updated.token_ids == fresh.token_ids
     assert max_abs_diff(updated.logprobs, fresh.logprobs) <= LOGPROB_TOL_SAME
 
+
+
+def test_an_engine_whose_process_state_was_torn_down_says_so(checkpoint, prompts):
+    """Two in-process engines share vLLM's distributed state; once one is shut down the other
+    fails with a message that names the cause, not an assertion deep inside the worker."""
+    survivor = VLLMEngine(checkpoint, max_model_len=MAX_MODEL_LEN)
+    VLLMEngine(checkpoint, max_model_len=MAX_MODEL_LEN).shutdown()
+    request = [RolloutRequest("orphan", prompts[0], keys_for(11, 1)[0], 4)]
+    with pytest.raises(RuntimeError, match="another in-process VLLMEngine was shut down"):
+        survivor.generate(request, PARAMS["T1"])

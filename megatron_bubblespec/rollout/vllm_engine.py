@@ -332,6 +332,7 @@ class VLLMEngine(RolloutEngine):
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         self.weight_version = 0
         self._live: dict[str, _Live] = {}
+        self._in_process = self._workers_in_process()
 
     # -------------------------------------------------------------------------------- requests
 
@@ -394,6 +395,8 @@ class VLLMEngine(RolloutEngine):
         return bool(self._live)
 
     def step(self) -> list[RolloutResult]:
+        if self._in_process:
+            _require_vllm_parallel_state()
         ended = []
         for output in self._engine.step():
             live = self._live.get(output.request_id)
@@ -515,6 +518,20 @@ class VLLMEngine(RolloutEngine):
         from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
         return isinstance(executor, UniProcExecutor)
+
+
+def _require_vllm_parallel_state() -> None:
+    """vLLM keeps its distributed groups per process, and an in-process engine's teardown (its
+    ``shutdown``, or its garbage collection) destroys them for every other engine that shares the
+    process: name that instead of failing deep inside the worker."""
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    if not model_parallel_is_initialized():
+        raise RuntimeError(
+            "vLLM's distributed state in this process is gone: another in-process VLLMEngine was "
+            "shut down or garbage-collected while this one was still in use. Keep every engine of "
+            "a process alive until the last one is done (or start a new engine after the other "
+            "one is gone).")
 
 
 def _with_tied_lm_head(named_tensors: Iterable[tuple[str, torch.Tensor]], tied: bool):
