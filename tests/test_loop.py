@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_bubblespec.config import load_config
+from megatron_bubblespec.config.schema import PROPOSAL_SOURCES as ALL_SOURCES
 from megatron_bubblespec.distributed.launch import launch_local
 from megatron_bubblespec.loop.replica import build_replica
 from megatron_bubblespec.loop.step import run_step
@@ -77,7 +78,7 @@ def test_drafts_verified_inside_the_rollout_give_the_off_run(engine_verified, ru
 def test_continuation_counts_add_up_over_its_sources(runs):
     """configs/tiny.yaml proposes from every source; the per-source counts sum to the totals."""
     on, off = runs
-    assert load_config(TINY).spec.proposal_sources == ["bubble", "prompt", "self"]
+    assert load_config(TINY).spec.proposal_sources == list(ALL_SOURCES)
     for record in on["records"]:
         for kind in ("proposed", "accepted"):
             total = record.get(f"spec/continuation_{kind}_tokens", 0)
@@ -86,6 +87,11 @@ def test_continuation_counts_add_up_over_its_sources(runs):
             assert sum(parts) == total, (record["step"], kind)
     assert sum(r.get("spec/continuation_proposed_tokens", 0) for r in on["records"]) > 0
     assert all(r.get("spec/continuation_proposed_tokens", 0) == 0 for r in off["records"])
+    proposed = {source: sum(r.get(f"spec/continuation_proposed_tokens/{source}", 0)
+                            for r in on["records"]) for source in ALL_SOURCES}
+    # the texts proposed something (a random model's text rarely quotes its prompt; no prompt
+    # recurs in 4 steps, so history has nothing: see the next test)
+    assert all(proposed[source] > 0 for source in ("bubble", "self", "siblings")), proposed
 
 
 def test_drafts_are_accepted_and_save_decode_steps_from_step_two(runs):
@@ -185,14 +191,21 @@ def test_bubbles_draft_several_steps_ahead_and_extend_partial_drafts(runs, tmp_p
     assert 0 < accepted < drafted, (accepted, drafted)
 
 
-def test_previous_epoch_drafts_stay_exact(tmp_path):
-    """SPEC-RL-like drafts (last epoch's responses of the same prompt) under the keyed rule:
-    proposals only, so the plain run's tokens."""
+def test_earlier_responses_stay_exact(tmp_path):
+    """A prompt's responses from its last rollout, as SPEC-RL-like drafts (previous_epoch) and
+    as the history proposal source (the drafts go first, history after a divergence), under the
+    keyed rule: the plain run's tokens, drafts and proposals from step 1 on, when the prompts
+    recur, history's both accepted and rejected."""
     small = ("data.size=4", "run.steps=3")   # every step is a new epoch of the same 4 prompts
-    on = train(_cfg(tmp_path, "epoch-on", *small, "spec.draft_source=previous_epoch"))
+    on = train(_cfg(tmp_path, "epoch-on", *small, "spec.draft_source=previous_epoch",
+                    "spec.proposal_sources=[history]"))
     off = train(_cfg(tmp_path, "epoch-off", *small, "spec.enabled=false"))
     assert on["rollouts"] == off["rollouts"]
     assert [r["spec/drafted_tokens"] > 0 for r in on["records"]] == [False, True, True]
+    counts = [(r.get("spec/continuation_proposed_tokens/history", 0),
+               r.get("spec/continuation_accepted_tokens/history", 0)) for r in on["records"]]
+    assert counts[0] == (0, 0) and all(p > 0 for p, _ in counts[1:]), counts
+    assert 0 < sum(a for _, a in counts) < sum(p for p, _ in counts), counts
 
 
 def test_engine_side_verification_stays_exact(tmp_path):

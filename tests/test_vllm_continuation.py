@@ -27,7 +27,7 @@ from megatron_bubblespec.rollout.reference import ReferenceEngine  # noqa: E402
 from megatron_bubblespec.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from megatron_bubblespec.sampling import SamplingParams, sample_key  # noqa: E402
 from megatron_bubblespec.sampling.requests import RolloutRequest  # noqa: E402
-from megatron_bubblespec.spec.pool import Continuation, DraftPool  # noqa: E402
+from megatron_bubblespec.spec.pool import Continuation, DraftPool, PromptIndex, Siblings  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -258,9 +258,7 @@ def test_continuation_pauses_after_misses():
     assert (c.proposed, c.accepted) == (9, 2)
 
 
-ALL_SOURCES = ("bubble", "prompt", "self")
-
-
+ALL_SOURCES = ("bubble", "prompt", "history", "self", "siblings")
 SOURCES_OPTIONS = dict(speculative_continuation=True, spec_k=SPEC_K, spec_min_match=2,
                        spec_max_match=8, proposal_sources=ALL_SOURCES)
 ADAPTIVE_OPTIONS = dict(SOURCES_OPTIONS, spec_token_cost=0.4)
@@ -279,23 +277,39 @@ def adaptive_engine(checkpoint):
 
 
 def test_every_proposal_source_keeps_the_tokens_and_both_engines_agree(checkpoint, sources_engine,
-                                                                      plain, prompts, keys):
-    """Prompt and own-text proposals beside the drafts: the plain tokens, the same proposals and
-    per-source counts in both engines, and each source's proposals both accepted and rejected
-    over T = 1 and greedy (greedy text of a random model loops: its own text predicts it)."""
+                                                                      plain_engine, plain,
+                                                                      prompts, keys):
+    """Every source at once: the plain tokens, the same proposals and per-source counts in both
+    engines, and each source's proposals both accepted and rejected over T = 1 and greedy.
+
+    Three prompts, two samples each (other keys), so each sample has a sibling; the first of a
+    pair starts from a fixed prefix, ahead of its sibling (one token of it off the greedy text, so
+    greedy siblings differ). Each prompt quotes the text the model goes on to write (greedy text
+    of a random model loops), so the prompt source has something to propose. The first pair has
+    bubble drafts, the second a history (the start of its greedy response, with every fifth token
+    wrong), the third neither: the static sources would otherwise win every tie."""
     engine = sources_engine
     reference = ReferenceEngine(checkpoint, **SOURCES_OPTIONS)
-    plain_reference = ReferenceEngine(checkpoint)
-    # prompts that quote the text the model goes on to write (greedy text of a random model
-    # loops), so the prompt source has something to propose
-    prompts = [p + r.token_ids[:24] for p, r in zip(prompts, plain["greedy"])]
+    quoted = [p + r.token_ids[:40] for p, r in zip(prompts, plain["greedy"])]
+    pairs = [quoted[i // 2] for i in range(6)]
+    greedy = plain_engine.generate(_requests("greedy", pairs, keys), PARAMS["greedy"])
+    history = _corrupt(greedy[2].token_ids[:24], 5, random.Random(2))
+    prefixes = [g.token_ids[:5] + [(g.token_ids[5] + 1) % VOCAB] + g.token_ids[6:12]
+                if i % 2 == 0 else [] for i, g in enumerate(greedy)]
     totals = {source: [0, 0] for source in ALL_SOURCES}
     for name in ("T1", "greedy"):
-        pools = _pools("siblings", [r.token_ids for r in plain[name]], seed=5)
-        base = plain_reference.generate(_requests(f"base-{name}", prompts, keys), PARAMS[name])
-        got = engine.generate(_requests(f"all-{name}", prompts, keys, pools), PARAMS[name])
-        ref = reference.generate(_requests(f"ref-all-{name}", prompts, keys, pools),
-                                 PARAMS[name])
+        pools = _pools("siblings", [r.token_ids for r in plain[name]], seed=5)[:2] + [[]] * 4
+
+        def requests(tag, with_sources=True):
+            out = _requests(tag, pairs, keys, pools if with_sources else None, prefixes)
+            for request in out[2:4] if with_sources else ():
+                request.history = [history]
+            return out
+
+        base = plain_engine.generate(requests(f"base-{name}", False), PARAMS[name])
+
+        got = engine.generate(requests(f"all-{name}"), PARAMS[name])
+        ref = reference.generate(requests(f"ref-all-{name}"), PARAMS[name])
         for i, (v, r, b) in enumerate(zip(got, ref, base)):
             assert v.token_ids == r.token_ids == b.token_ids, f"{name}, request {i}"
             assert v.by_source == r.by_source, f"{name}, request {i}"
@@ -330,6 +344,35 @@ def test_the_proposal_index_takes_the_longest_match_then_the_earlier_source():
     assert c.counts == {"self": [3, 2]} and (c.proposed, c.accepted) == (3, 2)
     with pytest.raises(ValueError, match="unknown proposal sources"):
         DraftPool(prompt, [], sources=("elsewhere",))
+
+
+def test_a_prompts_samples_share_one_index_and_propose_from_each_other():
+    """siblings: a sample proposes what its prompt's other samples wrote; its own text is
+    ``self``; earlier responses are ``history``; each source can be switched off alone; the
+    index goes when the prompt's last sample leaves. A member called like a source is still a
+    member."""
+    prompt = [1, 2, 3]
+    registry = Siblings(2, 8, ALL_SOURCES)
+    ahead = registry.pool("prompt", prompt, history=[[40, 41, 42, 43]])
+    behind = registry.pool("b", prompt, history=[[40, 41, 42, 43]])
+    assert ahead.index is behind.index and len(registry.indexes) == 1
+    ahead.observe(prompt + [10, 11, 12, 13, 14])
+    assert behind.propose(prompt + [10, 11], 2) == ([12, 13], "siblings")
+    assert ahead.propose(prompt + [10, 11], 2) == ([12, 13], "self")
+    assert behind.propose(prompt + [40, 41], 3) == ([42, 43], "history")
+    alone = Siblings(2, 8, ("bubble", "self"))   # no siblings: every sample its own index
+    a, b = alone.pool("a", prompt), alone.pool("b", prompt)
+    a.observe(prompt + [10, 11, 12])
+    assert a.index is not b.index and b.propose(prompt + [10, 11], 2) == ([], None)
+    no_self = PromptIndex(prompt, sources=("siblings",))
+    no_self.join("a")
+    no_self.extend("a", [10, 11, 12])
+    assert no_self.propose("a", prompt + [10, 11], 2) == ([], None)
+    assert no_self.propose("b", prompt + [10, 11], 2) == ([12], "siblings")
+    registry.leave("prompt", ahead)
+    assert len(registry.indexes) == 1   # the sibling still decodes: the texts stay
+    registry.leave("b", behind)
+    assert registry.indexes == {}
 
 
 def test_patches_refuse_another_vllm_version(monkeypatch):

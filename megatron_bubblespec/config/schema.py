@@ -80,7 +80,9 @@ class SpecConfig:
     draft_in_flight: int = 32       # next-step samples a drafting rank keeps in its engine at once
     speculative_continuation: bool = True
     # what a decoding sample proposes from (spec.pool): its prompt's bubble drafts, the prompt's
-    # text, its own text so far; each switchable, each counted in spec/continuation_*/<source>
+    # text, the prompt's responses from its last rollout (history), its own text so far (self),
+    # its prompt's other samples as they are generated (siblings); each switchable, each counted
+    # in spec/continuation_*/<source>
     proposal_sources: list[str] = field(default_factory=lambda: ["bubble"])
     spec_k: int = 4
     # the cost of one proposed token, as a fraction of a decode step: each sample then proposes
@@ -138,7 +140,7 @@ class Config:
 
 
 # What speculative continuation proposes from (``spec.pool``, where each is described).
-PROPOSAL_SOURCES = ("bubble", "prompt", "self")
+PROPOSAL_SOURCES = ("bubble", "prompt", "history", "self", "siblings")
 
 CHOICES = {
     "rollout.engine": ("vllm", "reference"),

@@ -48,7 +48,7 @@ class RunState:
 
     weight_version: int              # the version the trainer (and, after a reshard, the engine) holds
     drafts: DraftQueue               # pending drafts of the coming steps
-    responses: ResponseMemory        # latest responses, for spec.draft_source=previous_epoch
+    responses: ResponseMemory        # latest responses: previous-epoch drafts, history proposals
 
 
 @dataclass

@@ -117,15 +117,28 @@ def verify(rep: Replica, requests: list[RolloutRequest], samples: range,
 
 
 def with_draft_pools(rep: Replica, step: int, requests, pending: dict[int, Draft]):
-    """Speculative continuation: each sample may keep proposing from its prompt's drafts."""
+    """Speculative continuation: each sample may keep proposing from its prompt's drafts and,
+    with the ``history`` source, from its prompt's responses the last time it was rolled out."""
     batch = rep.sampler.batch(step)
     pools: dict[int, list[list[int]]] = {}
     for g in my_samples(rep, step):
         if g in pending:
             pools.setdefault(batch.slot(g).prompt_index, []).append(list(pending[g].tokens))
+    history = "history" in rep.cfg.spec.proposal_sources
     for request, g in zip(requests, my_samples(rep, step)):
-        request.draft_pool = pools.get(batch.slot(g).prompt_index, [])
+        prompt_index = batch.slot(g).prompt_index
+        request.draft_pool = pools.get(prompt_index, [])
+        if history:
+            request.history = rep.state.responses.of(rep.task.prompt(prompt_index).uid)
     return requests
+
+
+def remembers_responses(cfg) -> bool:
+    """Whether each step's responses are kept for later rollouts of their prompts (the
+    previous-epoch drafts, or the history proposal source)."""
+    s = cfg.spec
+    return s.enabled and (s.draft_source == "previous_epoch" or (
+        s.speculative_continuation and "history" in s.proposal_sources))
 
 
 def _check_engine_version(rep: Replica, engine=None) -> None:
@@ -222,7 +235,7 @@ def collect_results(rep: Replica, mine: EngineRollout | None) -> list[RolloutRes
 
 
 def remember_responses(rep: Replica, step: int, results) -> None:
-    """All DP ranks' step-t responses -> the previous-epoch source's memory (collective)."""
+    """All DP ranks' step-t responses -> the memory of latest responses (collective)."""
     from megatron.core import parallel_state as ps
 
     batch = rep.sampler.batch(step)
@@ -286,7 +299,7 @@ def run_step(rep: Replica, step: int) -> StepOutput:
     drafted = bubble(rep, step)                                                     # 3 bubble
     exchange_drafts(rep, step, drafted)                                             # 4 exchange
     results = collect_results(rep, mine)
-    if cfg.spec.enabled and cfg.spec.draft_source == "previous_epoch":
+    if remembers_responses(cfg):
         remember_responses(rep, step, results)
 
     rep.beat(step, "learn")

@@ -21,7 +21,7 @@ from megatron_bubblespec.rollout.base import RolloutEngine
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult, settle_eos
 from megatron_bubblespec.rollout.torch_llama import TorchLlama
 from megatron_bubblespec.sampling import SamplingParams
-from megatron_bubblespec.spec.pool import Continuation, DraftPool, has_sources
+from megatron_bubblespec.spec.pool import Continuation, Siblings, has_sources
 from megatron_bubblespec.spec.verify import (target_probs, verify_keyed, verify_lenient,
                                              verify_residual)
 from megatron_bubblespec.tokens import pad_token_rows
@@ -71,6 +71,7 @@ class ReferenceEngine(RolloutEngine):
         self.spec_token_cost = spec_token_cost
         self._waiting: list[tuple[RolloutRequest, SamplingParams]] = []
         self._running: dict[str, _Running] = {}
+        self._siblings = Siblings(spec_min_match, spec_max_match, self.proposal_sources)
 
     # ------------------------------------------------------------------ protocol
     def add(self, requests: Iterable[RolloutRequest], params: SamplingParams) -> None:
@@ -95,6 +96,11 @@ class ReferenceEngine(RolloutEngine):
             self._prefill(admitted)
         if decoding:
             self._decode(decoding)
+        # the step's texts go into the prompts' indexes before the next step's proposals (in
+        # request-id order, as in the vLLM engine)
+        for s in sorted(admitted + decoding, key=lambda s: s.request.request_id):
+            if s.continuation is not None:
+                s.continuation.pool.observe(s.context)
         return [self._finish(s) for s in list(self._running.values()) if s.finish_reason]
 
     def abort(self, request_ids: Iterable[str] | None = None) -> list[RolloutResult]:
@@ -172,11 +178,14 @@ class ReferenceEngine(RolloutEngine):
     def _admit(self, request: RolloutRequest, params: SamplingParams) -> _Running:
         state = _Running(request, params, self.model.cache.acquire(), list(request.response_prefix))
         if self.speculative_continuation and has_sources(self.proposal_sources,
-                                                         request.draft_pool):
-            pool = DraftPool(request.prompt_token_ids, request.draft_pool,
-                             self.spec_min_match, self.spec_max_match, self.proposal_sources)
-            state.continuation = (Continuation(pool, self.spec_k, token_cost=self.spec_token_cost)
-                                  if pool else None)
+                                                         request.draft_pool, request.history):
+            pool = self._siblings.pool(request.request_id, request.prompt_token_ids,
+                                       request.draft_pool, request.history)
+            if pool:
+                state.continuation = Continuation(pool, self.spec_k,
+                                                  token_cost=self.spec_token_cost)
+            else:
+                self._siblings.leave(request.request_id, pool)
         self._running[request.request_id] = state
         return state
 
@@ -249,6 +258,8 @@ class ReferenceEngine(RolloutEngine):
         del self._running[s.request.request_id]
         self.model.cache.release(s.slot)
         c = s.continuation
+        if c is not None:
+            self._siblings.leave(s.request.request_id, c.pool)
         return RolloutResult(s.request.request_id, s.response, s.logprobs, s.decode_steps,
                              s.finish_reason, c.proposed if c else 0, c.accepted if c else 0,
                              c.by_source() if c else {})

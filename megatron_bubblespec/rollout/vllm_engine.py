@@ -349,13 +349,14 @@ class VLLMEngine(RolloutEngine):
                 detokenize=False)
         extra_args = {EXTRA_ARGS_KEY: _params_to_extra(params, request.key, n_prefix)}
         pooled = self.speculative_continuation and \
-            has_sources(self.proposal_sources, request.draft_pool)
+            has_sources(self.proposal_sources, request.draft_pool, request.history)
         if not prefix_complete and (pooled or request.draft):
             sources = self.proposal_sources if self.speculative_continuation else ()
             extra_args[POOL_ARGS_KEY] = pool_extra_args(
                 len(request.prompt_token_ids), request.draft_pool if pooled else [], self.spec_k,
                 self.spec_min_match, self.spec_max_match, sources, draft=request.draft,
-                draft_k=VLLM_MAX_SPEC_TOKENS, token_cost=self.spec_token_cost)
+                draft_k=VLLM_MAX_SPEC_TOKENS, token_cost=self.spec_token_cost,
+                history=request.history if pooled else [])
         return VLLMSamplingParams(
             n=1, temperature=0.0,   # greedy: vLLM's sampler takes the token the processor forced
             max_tokens=max_tokens,

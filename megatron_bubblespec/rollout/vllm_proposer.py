@@ -24,7 +24,7 @@ import inspect
 from dataclasses import dataclass, field
 
 from megatron_bubblespec.sampling.requests import settle_eos
-from megatron_bubblespec.spec.pool import Continuation, DraftPool
+from megatron_bubblespec.spec.pool import Continuation, Siblings
 
 POOL_ARGS_KEY = "bubblespec_pool"
 
@@ -32,20 +32,25 @@ POOL_ARGS_KEY = "bubblespec_pool"
 def pool_extra_args(prompt_len: int, drafts: list[list[int]], k: int, min_match: int,
                     max_match: int, sources: tuple[str, ...] = ("bubble",),
                     draft: list[int] = (), draft_k: int | None = None,
-                    token_cost: float | None = None) -> dict:
+                    token_cost: float | None = None, history: list[list[int]] = ()) -> dict:
     """What a request carries in ``SamplingParams.extra_args[POOL_ARGS_KEY]`` (``prompt_len``:
     the prompt's length without the response prefix that vLLM receives as part of it; ``draft``:
-    the sample's own draft to verify, in response positions, ``draft_k`` of its tokens a step)."""
+    the sample's own draft to verify, in response positions, ``draft_k`` of its tokens a step;
+    ``history``: the prompt's earlier responses)."""
     return {"prompt_len": int(prompt_len), "drafts": [list(d) for d in drafts], "k": int(k),
             "min_match": int(min_match), "max_match": int(max_match), "sources": list(sources),
-            "draft": [int(t) for t in draft], "draft_k": draft_k, "token_cost": token_cost}
+            "draft": [int(t) for t in draft], "draft_k": draft_k, "token_cost": token_cost,
+            "history": [list(h) for h in history]}
 
 
 @dataclass
 class _Request:
     continuation: Continuation
     eos_token_ids: frozenset[int]
+    prompt_len: int
     pending: list[int] = field(default_factory=list)   # proposed for the step now running
+    written: int = 0      # response tokens in the prompt's index (up to the first EOS)
+    ended: bool = False   # an EOS was written
 
 
 def _model_runner():
@@ -71,6 +76,7 @@ class PoolProposer:
         self.runner = _model_runner()
         self.requests: dict[str, _Request] = {}
         self.finished: dict[str, dict] = {}   # request id -> source -> (proposed, accepted)
+        self.siblings: Siblings | None = None   # the prompts' shared indexes (built on first use)
 
     def load_model(self, *args, **kwargs) -> None:
         """Nothing to load (vLLM's CPU runner calls this for every proposer)."""
@@ -85,21 +91,36 @@ class PoolProposer:
         if not spec:
             return None
         prompt = cached.prompt_token_ids[:spec["prompt_len"]]   # vLLM's prompt holds the prefix too
-        pool = DraftPool(prompt, spec["drafts"], spec["min_match"], spec["max_match"],
-                         spec["sources"])
+        if self.siblings is None:   # the engine's options: the same for all its requests
+            self.siblings = Siblings(spec["min_match"], spec["max_match"], spec["sources"])
+        pool = self.siblings.pool(request_id, prompt, spec["drafts"], spec.get("history", ()))
         draft = spec.get("draft") or ()
         if not pool and not draft:
+            self.siblings.leave(request_id, pool)
             return None
         state = _Request(Continuation(pool, spec["k"], draft, spec.get("draft_k"),
                                       token_cost=spec.get("token_cost")),
-                         frozenset(params.stop_token_ids or ()))
+                         frozenset(params.stop_token_ids or ()), len(prompt))
         self.requests[request_id] = state
         return state
 
     def propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu, **_) -> list[list[int]]:
+        self._retire()   # before anyone joins a prompt's index: finished requests leave it
         batch = self.runner.input_batch
+        rows = list(enumerate(batch.req_ids[:len(sampled_token_ids)]))
+        # every sample's new tokens first (request-id order), then the proposals: each sees its
+        # siblings' texts as of this step, whatever the batch's row order
+        for row, request_id in sorted(rows, key=lambda r: r[1]):
+            state = self._request(request_id)
+            if state is None or not sampled_token_ids[row] or state.ended:
+                continue
+            start = state.prompt_len + state.written
+            new = token_ids_cpu[row, start:int(num_tokens_no_spec[row])].tolist()
+            kept, state.ended = settle_eos(new, state.eos_token_ids)   # none after an EOS
+            state.continuation.pool.index.extend(request_id, new[:kept])
+            state.written += kept
         proposals: list[list[int]] = []
-        for row, request_id in enumerate(batch.req_ids[:len(sampled_token_ids)]):
+        for row, request_id in rows:
             state = self._request(request_id)
             sampled = sampled_token_ids[row]
             if state is None or not sampled:   # no pool, or a prefill chunk that emitted nothing
@@ -112,7 +133,7 @@ class PoolProposer:
             n_tokens = int(num_tokens_no_spec[row])
             generated = n_tokens - int(batch.num_prompt_tokens[row])
             max_tokens = self.runner.requests[request_id].sampling_params.max_tokens
-            text = token_ids_cpu[row, :n_tokens]   # prompt + response so far (a view)
+            text = token_ids_cpu[row, :state.prompt_len + state.written]   # as written (a view)
             state.pending = state.continuation.propose(text, max_tokens - generated - 1)
             proposals.append(list(state.pending))
         self._retire()
@@ -121,17 +142,21 @@ class PoolProposer:
     def _retire(self) -> None:
         """Move the totals of requests the runner no longer holds to ``finished``."""
         for request_id in [r for r in self.requests if r not in self.runner.requests]:
-            self.finished[request_id] = self.requests.pop(request_id).continuation.by_source()
+            self.finished[request_id] = self._leave(request_id)
+
+    def _leave(self, request_id: str) -> dict[str, tuple[int, int]]:
+        state = self.requests.pop(request_id)
+        self.siblings.leave(request_id, state.continuation.pool)
+        return state.continuation.by_source()
 
     def pop_counts(self, request_ids) -> dict[str, dict[str, tuple[int, int]]]:
         """Per request id, (proposed, accepted) tokens per source, forgetting them (finished or
         aborted requests)."""
         counts = {}
         for request_id in request_ids:
-            state = self.requests.pop(request_id, None)
             done = self.finished.pop(request_id, None)
-            if state is not None:
-                done = state.continuation.by_source()
+            if request_id in self.requests:
+                done = self._leave(request_id)
             if done is not None:
                 counts[request_id] = done
         return counts

@@ -1,5 +1,5 @@
-"""Proposal index: a sample's sources (its prompt's bubble drafts, the prompt, its own text so far)
-+ its text so far -> the next k tokens to propose, and which source proposed them.
+"""Proposal index: one prompt's sources (its bubble drafts, the prompt, earlier responses, its samples'
+texts as they grow) + a sample's text so far -> the next k tokens to propose, and their source.
 
 Speculative continuation: while a sample decodes, it proposes tokens that followed the longest
 suffix of its current text seen in one of its sources; the keyed verifier decides, so any source is
@@ -8,12 +8,17 @@ exact. The sources (``spec.proposal_sources``, each switchable):
 * ``bubble``: the drafts of the same prompt made by the older policy in the bubble (its siblings'
   and its own, after a divergence; each indexed as prompt + draft);
 * ``prompt``: the prompt's text (a response often quotes the question's numbers and phrases);
-* ``self``: the sample's own response so far, indexed online as it grows (repetitions).
+* ``history``: the prompt's responses from the last time it was rolled out (an earlier epoch;
+  each indexed as prompt + response);
+* ``self``: the sample's own response so far, indexed online as it grows (repetitions);
+* ``siblings``: the same prompt's other samples in the same engine, as they are generated.
 
-One index per sample: every n-gram (n in [min_match, max_match]) of every source sequence -> the
-first place it occurred, so the longest suffix match wins and, among equal lengths, the prompt,
-then the drafts (as prompt + draft: without the prompt source, matches inside the prompt are the
-drafts'), then the own text.
+One ``PromptIndex`` per prompt and engine, shared by the prompt's samples (each a member, seen
+through its ``DraftPool``): every n-gram (n in [min_match, max_match]) of every sequence -> the
+first place it occurred in each sequence, in the order the n-grams were indexed. The longest
+suffix match wins; among equal lengths the earliest indexed: the prompt, the drafts (as prompt +
+draft: without the prompt source, matches inside the prompt are the drafts'), the earlier
+responses, then the samples' texts in the order they were written.
 """
 
 from __future__ import annotations
@@ -22,73 +27,168 @@ from typing import Sequence
 
 from megatron_bubblespec.config.schema import PROPOSAL_SOURCES as SOURCES
 
-
-def has_sources(sources, drafts) -> bool:
-    """Whether a sample with these ``drafts`` has anything to propose from (its prompt and its own
-    text always exist; drafts only when there are some)."""
-    return bool(drafts) or bool(set(sources) - {"bubble"})
+STATIC = ("prompt", "bubble", "history")   # fixed when the prompt's index is built
+GROWING = ("self", "siblings")              # the samples' own texts, indexed as they grow
 
 
-class DraftPool:
-    def __init__(self, prompt: Sequence[int], drafts: Sequence[Sequence[int]],
-                 min_match: int = 2, max_match: int = 8, sources: Sequence[str] = ("bubble",)):
+def has_sources(sources, drafts, history=()) -> bool:
+    """Whether a sample with these ``drafts`` (and earlier responses) has anything to propose
+    from (its prompt and the samples' texts always exist; drafts and responses when there are
+    some)."""
+    return bool(set(sources) - {"bubble", "history"}) or bool(drafts and "bubble" in sources) \
+        or bool(history and "history" in sources)
+
+
+class PromptIndex:
+    """One prompt's proposal index, shared by its samples in one engine (see the module doc).
+
+    Members write their responses with ``extend``. The engines write every sample's new tokens
+    once per engine step, in request-id order, before any sample proposes, so two engines that
+    step alike index alike and propose alike."""
+
+    def __init__(self, prompt: Sequence[int], drafts: Sequence[Sequence[int]] = (),
+                 min_match: int = 2, max_match: int = 8, sources: Sequence[str] = ("bubble",),
+                 history: Sequence[Sequence[int]] = ()):
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
         unknown = sorted(set(sources) - set(SOURCES))
         if unknown:
             raise ValueError(f"unknown proposal sources {unknown}; known: {', '.join(SOURCES)}")
         self.min_match, self.max_match = min_match, max_match
-        self.prompt_len = len(prompt)
+        self.prompt = [int(t) for t in prompt]
+        self.sources = frozenset(sources)
         self.sequences: list[list[int]] = []
-        self.source_of: list[str] = []
-        self.index: dict[tuple[int, ...], tuple[int, int]] = {}
-        if "prompt" in sources:
-            self._add(list(prompt), "prompt")
-        if "bubble" in sources:
-            for d in drafts:
-                if d:
-                    self._add(list(prompt) + list(d), "bubble")
-        self.own: int | None = None   # the sample's own response, when ``self`` is a source
-        if "self" in sources:
-            self.own = len(self.sequences)
-            self.sequences.append([])
-            self.source_of.append("self")
+        self.source_of: list[str] = []   # a static source, or "response"
+        self.owner_of: list[str | None] = []   # the member whose response it is
+        self.index: dict[tuple[int, ...], dict[int, int]] = {}   # n-gram -> {sequence: end}
+        self.members: dict[str, int] = {}   # member -> its response's sequence
+        if "prompt" in self.sources:
+            self._add(list(self.prompt), "prompt")
+        for source, texts in (("bubble", drafts), ("history", history)):
+            if source in self.sources:
+                for text in texts:
+                    if text:
+                        self._add(self.prompt + [int(t) for t in text], source)
 
-    def _add(self, seq: list[int], source: str) -> None:
+    def _add(self, seq: list[int], source: str, owner: str | None = None) -> int:
         self.sequences.append(seq)
         self.source_of.append(source)
+        self.owner_of.append(owner)
         self._index_ends(len(self.sequences) - 1, range(1, len(seq)))
+        return len(self.sequences) - 1
 
     def _index_ends(self, s: int, ends: range) -> None:
         """n-grams of sequence ``s`` ending before each ``end`` (so each has a follower)."""
         seq = self.sequences[s]
         for end in ends:
             for n in range(self.min_match, min(self.max_match, end) + 1):
-                self.index.setdefault(tuple(seq[end - n:end]), (s, end))
+                self.index.setdefault(tuple(seq[end - n:end]), {}).setdefault(s, end)
 
-    def __bool__(self) -> bool:
-        return bool(self.sequences)
+    @property
+    def grows(self) -> bool:
+        """Whether the samples' texts are indexed (``self`` or ``siblings`` is a source)."""
+        return bool(self.sources & set(GROWING))
 
-    def observe(self, context: Sequence[int]) -> None:
-        """The sample's text so far (prompt + response): index its new response tokens."""
-        if self.own is None:
+    def join(self, member: str) -> None:
+        """A sample of this prompt: its response gets a sequence once it writes one."""
+        if member not in self.members and self.grows:
+            self.members[member] = self._add([], "response", member)
+
+    def written(self, member: str) -> int:
+        """How many response tokens of ``member`` the index holds."""
+        s = self.members.get(member)
+        return 0 if s is None else len(self.sequences[s])
+
+    def extend(self, member: str, tokens: Sequence[int]) -> None:
+        """The member's next response tokens: index them."""
+        s = self.members.get(member)
+        if s is None or not len(tokens):
             return
-        own = self.sequences[self.own]
+        own = self.sequences[s]
         start = len(own)
-        own.extend(int(t) for t in context[self.prompt_len + start:])
-        self._index_ends(self.own, range(max(1, start), len(own)))
+        own.extend(int(t) for t in tokens)
+        self._index_ends(s, range(max(1, start), len(own)))
 
-    def propose(self, context: Sequence[int], k: int) -> tuple[list[int], str | None]:
-        """Up to k tokens that followed the longest matching suffix of ``context``, and their
-        source ([] and None without a match)."""
+    def _source(self, s: int, member: str) -> str | None:
+        """What sequence ``s`` is to ``member``: its source if ``member`` may propose from it."""
+        source = self.source_of[s]
+        if source in STATIC:
+            return source
+        source = "self" if self.owner_of[s] == member else "siblings"
+        return source if source in self.sources else None
+
+    def propose(self, member: str, context: Sequence[int], k: int) -> tuple[list[int], str | None]:
+        """Up to k tokens that followed the longest suffix of ``context`` that ``member`` may
+        match, and their source ([] and None without a match)."""
         if k <= 0:
             return [], None
         for n in range(min(self.max_match, len(context)), self.min_match - 1, -1):
-            hit = self.index.get(tuple(int(t) for t in context[len(context) - n:]))
-            if hit is not None:
-                s, end = hit
-                return self.sequences[s][end:end + k], self.source_of[s]
+            hits = self.index.get(tuple(int(t) for t in context[len(context) - n:]))
+            for s, end in (hits or {}).items():
+                source = self._source(s, member)
+                if source is not None:
+                    return self.sequences[s][end:end + k], source
         return [], None
+
+
+class DraftPool:
+    """One sample's view of its prompt's ``PromptIndex``: its own (``index`` None) or one shared
+    with the prompt's other samples in the engine (``siblings``)."""
+
+    def __init__(self, prompt: Sequence[int], drafts: Sequence[Sequence[int]] = (),
+                 min_match: int = 2, max_match: int = 8, sources: Sequence[str] = ("bubble",),
+                 history: Sequence[Sequence[int]] = (), *, index: PromptIndex | None = None,
+                 member: str = "sample"):
+        self.index = index or PromptIndex(prompt, drafts, min_match, max_match, sources, history)
+        self.member = member
+        self.prompt_len = len(prompt)
+        self.index.join(member)
+
+    def __bool__(self) -> bool:
+        """Whether anything may ever propose (a static sequence, or the samples' texts)."""
+        return self.index.grows or any(s in STATIC for s in self.index.source_of)
+
+    def observe(self, context: Sequence[int]) -> None:
+        """The sample's text so far (prompt + response): index its new response tokens."""
+        self.index.extend(self.member,
+                          context[self.prompt_len + self.index.written(self.member):])
+
+    def propose(self, context: Sequence[int], k: int) -> tuple[list[int], str | None]:
+        return self.index.propose(self.member, context, k)
+
+
+class Siblings:
+    """An engine's prompt indexes, one per prompt (and drafts and earlier responses) among its
+    running samples: the samples of a prompt share one, so each proposes from the others' texts
+    (``siblings``). An index goes when its last sample leaves."""
+
+    def __init__(self, min_match: int, max_match: int, sources: Sequence[str]):
+        self.min_match, self.max_match, self.sources = min_match, max_match, tuple(sources)
+        self.shared = "siblings" in self.sources
+        self.indexes: dict[tuple, tuple[PromptIndex, set[str]]] = {}
+
+    def pool(self, member: str, prompt: Sequence[int], drafts: Sequence[Sequence[int]] = (),
+             history: Sequence[Sequence[int]] = ()) -> DraftPool:
+        """The sample ``member``'s pool: a view of its prompt's shared index."""
+        if not self.shared:
+            return DraftPool(prompt, drafts, self.min_match, self.max_match, self.sources,
+                             history, member=member)
+        key = (tuple(prompt), tuple(map(tuple, drafts)), tuple(map(tuple, history)))
+        if key not in self.indexes:
+            self.indexes[key] = (PromptIndex(prompt, drafts, self.min_match, self.max_match,
+                                             self.sources, history), set())
+        index, members = self.indexes[key]
+        members.add(member)
+        return DraftPool(prompt, index=index, member=member)
+
+    def leave(self, member: str, pool: DraftPool) -> None:
+        """``member`` finished or was aborted: its text stays for the others until the last."""
+        for key, (index, members) in list(self.indexes.items()):
+            if index is pool.index:
+                members.discard(member)
+                if not members:
+                    del self.indexes[key]
+                return
 
 
 class Continuation:

@@ -1,8 +1,11 @@
-"""SPEC-RL-like drafts (ablation): every DP rank's responses -> memory by (prompt uid, sample index)
--> the drafts of the next time that prompt is rolled out.
+"""Every DP rank's responses -> memory by (prompt uid, sample index) -> the next rollout of that
+prompt: its drafts (SPEC-RL-like, the ``previous_epoch`` ablation) or the ``history`` proposal
+source.
 
-A sample proposes the response its prompt and sample index got the last time the prompt was rolled
-out: another key and an older policy, so only the exact keyed verification keeps it exact.
+A sample proposes the response its prompt (and sample index) got the last time the prompt was
+rolled out: another key and an older policy, so only the exact keyed verification keeps it exact.
+The memory holds one response per (prompt, sample index): the latest, so at most
+``rollout.samples_per_prompt`` per prompt.
 """
 
 from __future__ import annotations
@@ -15,11 +18,11 @@ from megatron_bubblespec.spec.drafts import Draft
 
 
 class ResponseMemory:
-    """(prompt uid, sample index) -> that sample's latest response tokens, the same on every rank
+    """prompt uid -> sample index -> that sample's latest response tokens, the same on every rank
     (a prompt can land on another DP rank next epoch)."""
 
     def __init__(self) -> None:
-        self.responses: dict[tuple[str, int], list[int]] = {}
+        self.by_prompt: dict[str, dict[int, list[int]]] = {}
 
     def drafts(self, step: int, samples: Sequence[tuple[int, str, int, int]],
                budget: int) -> dict[int, Draft]:
@@ -27,22 +30,28 @@ class ResponseMemory:
         -> their drafts (global index -> draft), for those the memory holds."""
         out = {}
         for g, uid, sample_index, key in samples:
-            tokens = self.responses.get((uid, sample_index))
+            tokens = self.by_prompt.get(uid, {}).get(sample_index)
             if tokens:
                 out[g] = Draft(step, g, key, -1, tuple(tokens[:budget]))
         return out
+
+    def of(self, uid: str) -> list[list[int]]:
+        """The prompt's latest responses, by sample index ([] if it was never rolled out)."""
+        return [tokens for _, tokens in sorted(self.by_prompt.get(uid, {}).items())]
 
     def remember(self, mine: dict[tuple[str, int], list[int]], group=None) -> None:
         """This rank's responses -> every rank's memory (collective over the DP ``group``)."""
         everyone: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, mine, group=group)
         for part in everyone:
-            self.responses.update(part)
+            for (uid, sample_index), tokens in part.items():
+                self.by_prompt.setdefault(uid, {})[sample_index] = tokens
 
     def state_dict(self) -> list[list]:
-        return [[uid, sample_index, tokens]
-                for (uid, sample_index), tokens in sorted(self.responses.items())]
+        return [[uid, sample_index, tokens] for uid, samples in sorted(self.by_prompt.items())
+                for sample_index, tokens in sorted(samples.items())]
 
     def load_state_dict(self, rows: list[list]) -> None:
-        self.responses = {(uid, int(sample_index)): [int(t) for t in tokens]
-                          for uid, sample_index, tokens in rows}
+        self.by_prompt = {}
+        for uid, sample_index, tokens in rows:
+            self.by_prompt.setdefault(uid, {})[int(sample_index)] = [int(t) for t in tokens]

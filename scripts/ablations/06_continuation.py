@@ -1,23 +1,29 @@
-"""Study 6: speculative continuation after a divergence (spec.speculative_continuation on / off).
+"""Study 6: speculative continuation after a divergence (spec.speculative_continuation on / off),
+and its proposal sources.
 
-With continuation on, a sample whose draft was rejected keeps proposing tokens from its prompt's
-draft pool (the drafts of its sibling samples and its own, re-aligned on a suffix match of at least
-spec.min_match tokens), so drafts keep saving decode steps past the first divergence; off, the
-engine decodes everything after the accepted prefix one token per step. The prompt's drafts are the
-only proposal source the package has. All variants share one plain synchronous baseline run
-(`--min-match` adds continuation-on variants with other spec.min_match values; spec.* keys only, so
-they share it too). Exactness holds either way: token mismatch must be 0. The runs use the config's
-rollout.engine: both engines implement continuation (vLLM through rollout/vllm_proposer.py) and
-propose the same tokens; pass rollout.engine=reference to run on the reference engine.
+With continuation on, a sample whose draft was rejected keeps proposing tokens from its sources
+(spec.proposal_sources; the config's by default: the drafts of its prompt, re-aligned on a suffix
+match of at least spec.min_match tokens), so drafts keep saving decode steps past the first
+divergence; off, the engine decodes everything after the accepted prefix one token per step.
+`--sources` adds one continuation-on variant per source set (`+` joins sources: `self+siblings`;
+`all` is every source), each counted apart in the continuation columns. The history source
+proposes only when prompts recur within the run (data.size small enough; say so in the table).
+All variants share one plain synchronous baseline run (`--min-match` adds continuation-on
+variants with other spec.min_match values; spec.* keys only, so they share it too). Exactness
+holds either way: token mismatch must be 0. The runs use the config's rollout.engine: both
+engines implement continuation (vLLM through rollout/vllm_proposer.py) and propose the same
+tokens; pass rollout.engine=reference to run on the reference engine.
 
     python scripts/ablations/06_continuation.py [--config configs/tiny.yaml] [--steps N]
-        [--continuation true,false] [--min-match 3] [dotted overrides...]
+        [--continuation true,false] [--min-match 3] [--sources bubble,self,siblings,all]
+        [dotted overrides...]
 """
 
 from __future__ import annotations
 
 import report
 import runner
+from megatron_bubblespec.config.schema import PROPOSAL_SOURCES
 from megatron_bubblespec.metrics.formatting import count, percent
 
 STUDY = "06_continuation"
@@ -32,6 +38,10 @@ def main(argv=None) -> None:
                    help="extra continuation-on variants, one per spec.min_match value (the "
                         "shortest suffix match that proposes; the config's is the default "
                         "variant's), e.g. 3")
+    p.add_argument("--sources", type=runner.csv(str), default=[],
+                   help="extra continuation-on variants, one per source set (sources joined "
+                        f"by '+', or 'all' for {'+'.join(PROPOSAL_SOURCES)}), e.g. "
+                        "bubble,self,siblings,all")
     args = p.parse_args(argv)
     runner.learning_defaults(args)
     variants = [runner.Variant(f"continuation {v}", [f"spec.speculative_continuation={v}"])
@@ -39,6 +49,14 @@ def main(argv=None) -> None:
     variants += [runner.Variant(f"continuation true, min_match {m}",
                                 ["spec.speculative_continuation=true", f"spec.min_match={m}"])
                  for m in args.min_match]
+    for sources in args.sources:
+        chosen = PROPOSAL_SOURCES if sources == "all" else tuple(sources.split("+"))
+        unknown = sorted(set(chosen) - set(PROPOSAL_SOURCES))
+        if unknown:
+            p.error(f"--sources {sources}: unknown {unknown}; choose from "
+                    f"{', '.join(PROPOSAL_SOURCES)} or all")
+        variants.append(runner.Variant(f"continuation from {sources}", [
+            "spec.speculative_continuation=true", f"spec.proposal_sources=[{','.join(chosen)}]"]))
     result = runner.run_study(STUDY, args, variants)
     columns = (*report.ACCEPT, *report.SPEED[:2], *report.ENGINE, *report.SPEED[2:],
                *report.BUBBLE, *report.COVERAGE, *report.CONTINUATION, *report.EXACT,
