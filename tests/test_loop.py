@@ -196,12 +196,17 @@ def test_earlier_responses_stay_exact(tmp_path):
     as the history proposal source (the drafts go first, history after a divergence), under the
     keyed rule: the plain run's tokens, drafts and proposals from step 1 on, when the prompts
     recur, history's both accepted and rejected."""
-    small = ("data.size=4", "run.steps=3")   # every step is a new epoch of the same 4 prompts
+    # every step is a new epoch of the same 4 prompts; at T = 0.1 a prompt's last responses are
+    # worth proposing (at T = 1 a random model's text is noise: 1,134 history tokens proposed, 0
+    # accepted; greedy accepted every draft token)
+    small = ("data.size=4", "run.steps=3", "rollout.temperature=0.1")
     on = train(_cfg(tmp_path, "epoch-on", *small, "spec.draft_source=previous_epoch",
                     "spec.proposal_sources=[history]"))
     off = train(_cfg(tmp_path, "epoch-off", *small, "spec.enabled=false"))
     assert on["rollouts"] == off["rollouts"]
     assert [r["spec/drafted_tokens"] > 0 for r in on["records"]] == [False, True, True]
+    drafted = sum(r["spec/drafted_tokens"] for r in on["records"])
+    assert 0 < sum(r["spec/accepted_tokens"] for r in on["records"]) < drafted
     counts = [(r.get("spec/continuation_proposed_tokens/history", 0),
                r.get("spec/continuation_accepted_tokens/history", 0)) for r in on["records"]]
     assert counts[0] == (0, 0) and all(p > 0 for p, _ in counts[1:]), counts

@@ -369,9 +369,9 @@ def test_a_prompts_samples_share_one_index_and_propose_from_each_other():
     no_self.extend("a", [10, 11, 12])
     assert no_self.propose("a", prompt + [10, 11], 2) == ([], None)
     assert no_self.propose("b", prompt + [10, 11], 2) == ([12], "siblings")
-    registry.leave("prompt", ahead)
+    registry.leave("prompt")
     assert len(registry.indexes) == 1   # the sibling still decodes: the texts stay
-    registry.leave("b", behind)
+    registry.leave("b")
     assert registry.indexes == {}
 
 

@@ -185,7 +185,7 @@ class ReferenceEngine(RolloutEngine):
                 state.continuation = Continuation(pool, self.spec_k,
                                                   token_cost=self.spec_token_cost)
             else:
-                self._siblings.leave(request.request_id, pool)
+                self._siblings.leave(request.request_id)
         self._running[request.request_id] = state
         return state
 
@@ -259,7 +259,7 @@ class ReferenceEngine(RolloutEngine):
         self.model.cache.release(s.slot)
         c = s.continuation
         if c is not None:
-            self._siblings.leave(s.request.request_id, c.pool)
+            self._siblings.leave(s.request.request_id)
         return RolloutResult(s.request.request_id, s.response, s.logprobs, s.decode_steps,
                              s.finish_reason, c.proposed if c else 0, c.accepted if c else 0,
                              c.by_source() if c else {})

@@ -96,7 +96,7 @@ class PoolProposer:
         pool = self.siblings.pool(request_id, prompt, spec["drafts"], spec.get("history", ()))
         draft = spec.get("draft") or ()
         if not pool and not draft:
-            self.siblings.leave(request_id, pool)
+            self.siblings.leave(request_id)
             return None
         state = _Request(Continuation(pool, spec["k"], draft, spec.get("draft_k"),
                                       token_cost=spec.get("token_cost")),
@@ -146,7 +146,7 @@ class PoolProposer:
 
     def _leave(self, request_id: str) -> dict[str, tuple[int, int]]:
         state = self.requests.pop(request_id)
-        self.siblings.leave(request_id, state.continuation.pool)
+        self.siblings.leave(request_id)
         return state.continuation.by_source()
 
     def pop_counts(self, request_ids) -> dict[str, dict[str, tuple[int, int]]]:

@@ -166,6 +166,7 @@ class Siblings:
         self.min_match, self.max_match, self.sources = min_match, max_match, tuple(sources)
         self.shared = "siblings" in self.sources
         self.indexes: dict[tuple, tuple[PromptIndex, set[str]]] = {}
+        self.key_of: dict[str, tuple] = {}   # member -> its prompt's key
 
     def pool(self, member: str, prompt: Sequence[int], drafts: Sequence[Sequence[int]] = (),
              history: Sequence[Sequence[int]] = ()) -> DraftPool:
@@ -179,16 +180,18 @@ class Siblings:
                                              self.sources, history), set())
         index, members = self.indexes[key]
         members.add(member)
+        self.key_of[member] = key
         return DraftPool(prompt, index=index, member=member)
 
-    def leave(self, member: str, pool: DraftPool) -> None:
+    def leave(self, member: str) -> None:
         """``member`` finished or was aborted: its text stays for the others until the last."""
-        for key, (index, members) in list(self.indexes.items()):
-            if index is pool.index:
-                members.discard(member)
-                if not members:
-                    del self.indexes[key]
-                return
+        key = self.key_of.pop(member, None)
+        if key is None:
+            return
+        members = self.indexes[key][1]
+        members.discard(member)
+        if not members:
+            del self.indexes[key]
 
 
 class Continuation:
