@@ -4,6 +4,7 @@ inside the bubble, samples are claimed once, partial drafts come back, a missing
 import time
 
 import pytest
+import torch.distributed as dist
 
 from megatron_bubblespec.distributed import destroy_distributed, init_process_group
 from megatron_bubblespec.distributed.launch import launch_local
@@ -44,6 +45,10 @@ def _barrier_worker(path, delays, timeout_s, order=None, in_flight=4):
         out = (drafts, stats, None)
     except TimeoutError as err:
         out = (None, None, str(err))
+    if None not in delays:
+        # rank 0 hosts the store: it must outlive every rank's last look at the barrier (under
+        # load a slow rank's last engine step ends after rank 0 would have left)
+        dist.barrier()
     destroy_distributed()
     return out
 
