@@ -90,7 +90,7 @@ def test_continuation_counts_add_up_over_its_sources(runs):
     proposed = {source: sum(r.get(f"spec/continuation_proposed_tokens/{source}", 0)
                             for r in on["records"]) for source in ALL_SOURCES}
     # the texts proposed something (a random model's text rarely quotes its prompt; no prompt
-    # recurs in 4 steps, so history has nothing: see the next test)
+    # recurs in 4 steps, so history has nothing: see test_earlier_responses_stay_exact)
     assert all(proposed[source] > 0 for source in ("bubble", "self", "siblings")), proposed
 
 
