@@ -307,7 +307,6 @@ def test_every_proposal_source_keeps_the_tokens_and_both_engines_agree(checkpoin
             return out
 
         base = plain_engine.generate(requests(f"base-{name}", False), PARAMS[name])
-
         got = engine.generate(requests(f"all-{name}"), PARAMS[name])
         ref = reference.generate(requests(f"ref-all-{name}"), PARAMS[name])
         for i, (v, r, b) in enumerate(zip(got, ref, base)):
