@@ -117,7 +117,7 @@ class PoolProposer:
             start = state.prompt_len + state.written
             new = token_ids_cpu[row, start:int(num_tokens_no_spec[row])].tolist()
             kept, state.ended = settle_eos(new, state.eos_token_ids)   # none after an EOS
-            state.continuation.pool.index.extend(request_id, new[:kept])
+            state.continuation.pool.extend(new[:kept])
             state.written += kept
         proposals: list[list[int]] = []
         for row, request_id in rows:

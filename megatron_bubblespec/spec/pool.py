@@ -150,8 +150,11 @@ class DraftPool:
 
     def observe(self, context: Sequence[int]) -> None:
         """The sample's text so far (prompt + response): index its new response tokens."""
-        self.index.extend(self.member,
-                          context[self.prompt_len + self.index.written(self.member):])
+        self.extend(context[self.prompt_len + self.index.written(self.member):])
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """The sample's next response tokens: index them."""
+        self.index.extend(self.member, tokens)
 
     def propose(self, context: Sequence[int], k: int) -> tuple[list[int], str | None]:
         return self.index.propose(self.member, context, k)
