@@ -30,17 +30,23 @@ def _next_request(sample):
                           DRAFT_TOKENS)
 
 
-def _barrier_worker(path, delays, timeout_s, order=None, in_flight=4):
+def _barrier_worker(path, delays, timeout_s, order=None, in_flight=4, prefix=()):
     world = init_process_group(backend="gloo", timeout_s=60)
     engine = ReferenceEngine(path)
     drafter = BubbleDrafter(default_store(), world.world_size, engine, SamplingParams(1.0),
                             chunk=2, in_flight=in_flight, timeout_s=timeout_s)
+    dist.barrier()   # one start line: the delays below, not the engines' load times, order arrivals
     if delays[world.rank] is None:  # a rank that hangs: never reaches the barrier
         time.sleep(3.0)
         return None, None, None
     time.sleep(delays[world.rank])  # the rank's own rollout
     try:
-        drafts, stats = drafter.arrive_and_draft(7, order or SAMPLES, _next_request,
+        def next_request(sample):   # an earlier bubble's partial draft, extended
+            request = _next_request(sample)
+            request.response_prefix = list(prefix)
+            return request
+
+        drafts, stats = drafter.arrive_and_draft(7, order or SAMPLES, next_request,
                                                  weight_version=7)
         out = (drafts, stats, None)
     except TimeoutError as err:
@@ -106,7 +112,12 @@ def test_the_cursor_hands_out_samples_in_the_given_order(tiny):
 
 
 def test_a_drafting_rank_keeps_its_full_batch_in_flight(tiny):
-    """spec.draft_in_flight rows at once: every engine step drafts one token for each of them."""
-    (drafts, stats, _), _ = launch_local(_barrier_worker, 2, tiny, [0.0, 3.0], 120.0, None, 16)
+    """spec.draft_in_flight rows at once: every engine step drafts one token for each of them.
+    The bubble counts what it prefilled (prompt + earlier draft) and what it added."""
+    (drafts, stats, _), _ = launch_local(_barrier_worker, 2, tiny, [0.0, 3.0], 120.0, None, 16,
+                                         (13, 17))
     assert stats.claimed_samples >= 16 and stats.engine_steps > 2
-    assert stats.drafted_tokens >= 12 * stats.engine_steps  # ~16 rows per step, not 4
+    assert stats.new_tokens >= 12 * stats.engine_steps  # ~16 rows per step, not 4
+    assert all(d.tokens[:2] == (13, 17) for d in drafts)
+    assert stats.new_tokens == stats.drafted_tokens - 2 * len(drafts)
+    assert stats.prefill_tokens == (3 + 2) * stats.claimed_samples

@@ -8,9 +8,9 @@ from megatron_bubblespec.spec.drafts import Draft
 from megatron_bubblespec.spec.queue import DraftQueue, drafting_order
 
 
-def _queue(lookahead=1, horizon=1, steps=10, budget=4):
+def _queue(lookahead=1, horizon=1, steps=10, budget=4, order="engines"):
     return DraftQueue(budget=budget, eos_token_ids=(2,), vocab_size=100, lookahead=lookahead,
-                      horizon=horizon, num_steps=steps)
+                      horizon=horizon, num_steps=steps, order=order)
 
 
 def test_drafting_order_alternates_over_the_ranks():
@@ -63,3 +63,31 @@ def test_the_queue_absorbs_exchanged_drafts_and_lists_what_is_left():
     restored.load_state_dict(queue.state_dict())
     assert restored.state_dict() == queue.state_dict() and restored.get(4, 1) == queue.get(4, 1)
     assert set(queue.pop(4)) == {0, 1} and queue.pop(4) == {} and len(queue) == 1
+
+
+def test_the_stragglers_order_extends_the_running_drafts_first_longest_first():
+    """Within each step: partial drafts by length (ties in engine order), then the undrafted
+    samples round-robin over the engines; complete drafts are left out in either order; the
+    steps keep their order."""
+    sampler = LookaheadSampler(0, 64, 4, dp_size=2, samples_per_prompt=2)
+    batches = [sampler.batch(4), sampler.batch(5)]
+    keys = {(b.step, g): 1000 * b.step + g for b in batches for g in range(b.num_samples)}
+    engines, stragglers = _queue(1, 2, budget=8), _queue(1, 2, budget=8, order="stragglers")
+    drafts = [Draft(4, 1, keys[4, 1], 3, (5, 6)), Draft(4, 6, keys[4, 6], 3, (5, 6, 7, 8)),
+              Draft(4, 3, keys[4, 3], 3, (5, 6)), Draft(4, 2, keys[4, 2], 3, (5, 2)),
+              Draft(5, 7, keys[5, 7], 3, (9,))]
+    for queue in (engines, stragglers):
+        queue.absorb(drafts, keys)
+    round_robin = {b.step: [g for g in drafting_order(b) if (b.step, g) != (4, 2)]
+                   for b in batches}
+    assert engines.left_to_draft(batches) == [(s, g) for s in (4, 5) for g in round_robin[s]]
+    ties = [g for g in round_robin[4] if g in (1, 3)]
+    undrafted = [g for g in round_robin[4] if g not in (1, 3, 6)]
+    assert stragglers.left_to_draft(batches) == (
+        [(4, 6)] + [(4, g) for g in ties] + [(4, g) for g in undrafted]
+        + [(5, 7)] + [(5, g) for g in round_robin[5] if g != 7])
+
+
+def test_an_unknown_draft_order_is_refused():
+    with pytest.raises(ValueError, match="draft order 'longest'"):
+        DraftQueue(budget=4, eos_token_ids=(2,), vocab_size=100, order="longest")

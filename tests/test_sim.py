@@ -16,7 +16,7 @@ from megatron_bubblespec.sim.calibrate import (calibrate, calibration_check, exp
                                                fit_jitter, fit_lengths, grid_accept_prob)
 from megatron_bubblespec.sim.drafting import draft_in_bubble
 from megatron_bubblespec.sim.model import (EngineCosts, LengthModel, Setting, StepCosts,
-                                           continued_decode_steps, simulate)
+                                           continued_decode_steps, drafting_order, simulate)
 
 DATA = Path(__file__).parent / "data" / "sim"
 BENCH = DATA / "tiny" / "bench.json"
@@ -97,6 +97,28 @@ def test_a_drafting_horizon_drafts_later_steps_in_a_long_bubble():
     assert (drafted <= lengths.reshape(4, -1).sum(axis=1)).all()
     with pytest.raises(ValueError, match="draft_horizon"):
         setting(draft_horizon=0)
+
+
+@pytest.mark.parametrize("engines", [1, 2])
+def test_the_simulated_drafting_order_is_the_draft_queues(engines):
+    """The simulator claims a step's samples in the real queue's order: round-robin over the
+    engines, and with ``stragglers`` the partial drafts first, longest first."""
+    from megatron_bubblespec.data.lookahead import LookaheadSampler
+    from megatron_bubblespec.spec.drafts import Draft
+    from megatron_bubblespec.spec.queue import DraftQueue
+
+    batch = LookaheadSampler(0, 64, 4, dp_size=2, samples_per_prompt=2).batch(1)  # 2 x 4 samples
+    drafted = np.array([[0, 3, 0, 1], [0, 0, 3, 0]])
+    for order in ("engines", "stragglers"):
+        queue = DraftQueue(budget=8, eos_token_ids=(2,), vocab_size=100, order=order,
+                           engines_per_replica=engines)
+        keys = {(1, g): g for g in range(8)}
+        queue.absorb([Draft(1, g, g, 0, (5,) * int(n)) for g, n in enumerate(drafted.ravel())
+                      if n], keys)
+        expected = [g for _, g in queue.left_to_draft([batch])]
+        assert list(drafting_order(drafted, engines, order)) == expected
+    with pytest.raises(ValueError, match="draft_order"):
+        setting(draft_order="longest")
 
 
 def test_fitted_length_model_recovers_a_censored_lognormal():

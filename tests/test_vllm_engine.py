@@ -344,6 +344,40 @@ def test_update_weights_streams_the_iterator(engine, checkpoint, prompts):
         assert max_abs_diff(a.logprobs, b.logprobs) <= LOGPROB_TOL_SAME
 
 
+def test_drafts_extend_on_kv_of_earlier_weights_and_rollouts_never_do(engine, checkpoint,
+                                                                      tmp_path_factory):
+    """reuse_draft_kv: weight updates keep the prefix cache. A drafting request (stale_kv_ok)
+    extends on the KV its prompt got under the weights before the update, while a rollout request
+    only meets KV of its own weights: after w0 -> w1 -> w0 it is the first w0 rollout again."""
+    other = tiny_checkpoint(tmp_path_factory.mktemp("tiny_kv"), seed=1)
+    original = load_checkpoint(checkpoint)[1]
+    g = torch.Generator().manual_seed(2)
+    long_prompt = torch.randint(3, VOCAB, (200,), generator=g).tolist()   # > 128: a full KV block
+    key = keys_for(11, 1)[0]
+
+    def run(tag, draft):
+        request = RolloutRequest(tag, long_prompt, key, 8)
+        request.stale_kv_ok = draft
+        return engine.generate([request], PARAMS["T1"])[0]
+
+    engine.reuse_draft_kv = True
+    try:
+        rollout_w0 = run("kv-rollout-w0", False)
+        assert run("kv-draft-w0", True).logprobs == pytest.approx(rollout_w0.logprobs, abs=1e-5)
+        engine.update_weights(load_checkpoint(other)[1].items())
+        rollout_w1 = run("kv-rollout-w1", False)
+        draft_w1 = run("kv-draft-w1", True)     # the first 128 tokens' KV is w0's
+        assert max_abs_diff(rollout_w1.logprobs[:1], rollout_w0.logprobs[:1]) > 1e-3
+        assert max_abs_diff(draft_w1.logprobs[:1], rollout_w1.logprobs[:1]) > 1e-3
+        engine.update_weights(original.items())
+        again = run("kv-rollout-w0-again", False)
+        assert again.token_ids == rollout_w0.token_ids
+        assert max_abs_diff(again.logprobs, rollout_w0.logprobs) <= LOGPROB_TOL_SAME
+    finally:
+        engine.reuse_draft_kv = False
+        engine.update_weights(original.items())   # and a clean prefix cache for what follows
+
+
 def test_update_weights_in_place(engine, checkpoint, prompts, tmp_path_factory):
     """Runs last: it restores the original weights at the end all the same."""
     other = tiny_checkpoint(tmp_path_factory.mktemp("tiny_b"), seed=1)

@@ -94,6 +94,13 @@ class SpecConfig:
     draft_source: str = "bubble"    # bubble (BubbleSpec) | previous_epoch (SPEC-RL-like, ablation)
     draft_lookahead: int = 1        # bubble drafts are made for step t + k (k > 1: staler drafts)
     draft_horizon: int = 1          # bubbles draft steps t+k .. t+k+H-1 (later ones fill the batch)
+    # which of a step's samples a bubble drafts first (spec.queue): engines (round-robin over the
+    # engines that roll them out) | stragglers (partial drafts still running first, longest first)
+    draft_order: str = "engines"
+    # vLLM keeps its prefix cache across weight updates, salted per weight version for rollouts and
+    # shared by drafting requests: a bubble extends a partial draft on the KV an earlier bubble left
+    # (computed by older weights: only a proposal) instead of prefilling prompt + draft again
+    reuse_draft_kv: bool = True
 
 
 @dataclass
@@ -141,6 +148,8 @@ class Config:
 
 # What speculative continuation proposes from (``spec.pool``, where each is described).
 PROPOSAL_SOURCES = ("bubble", "prompt", "history", "self", "siblings")
+# Which of a step's samples a bubble drafts first (``spec.queue``, where each is described).
+DRAFT_ORDERS = ("engines", "stragglers")
 
 CHOICES = {
     "rollout.engine": ("vllm", "reference"),
@@ -149,6 +158,7 @@ CHOICES = {
     "spec.verifier": ("megatron", "engine"),
     "data.task": ("synthetic", "arithmetic", "gsm8k", "jsonl"),
     "spec.draft_source": ("bubble", "previous_epoch"),
+    "spec.draft_order": DRAFT_ORDERS,
     "data.split": ("train", "test"),
     "model.dtype": ("float32", "float64", "bfloat16"),
 }

@@ -195,6 +195,7 @@ def bubble(rep: Replica, step: int) -> tuple[list[Draft], dict] | None:
     def next_request(sample: Sample) -> RolloutRequest:
         request = sample_request(rep, *sample, queue.budget, "draft")
         request.prefix_logprobs = False   # a draft is tokens: no logprobs over its old part
+        request.stale_kv_ok = True        # and may extend on KV an earlier bubble left cached
         earlier = queue.get(*sample)
         if earlier is not None:   # extend it; a prefix may hold no EOS (a corrupted draft might)
             kept, ended = settle_eos(earlier.tokens, queue.eos_token_ids)
@@ -207,7 +208,10 @@ def bubble(rep: Replica, step: int) -> tuple[list[Draft], dict] | None:
         rep.engine.release()
     return drafts, {"bubble/idle_s": stats.idle_s, "bubble/drafting_s": stats.drafting_s,
                     "bubble/overshoot_s": stats.overshoot_s,
-                    "bubble/draftable_s": stats.idle_s if samples else 0.0}
+                    "bubble/draftable_s": stats.idle_s if samples else 0.0,
+                    "bubble/engine_steps": stats.engine_steps,
+                    "bubble/new_tokens": stats.new_tokens,
+                    "bubble/prefill_tokens": stats.prefill_tokens}
 
 
 def exchange_drafts(rep: Replica, step: int, drafted) -> None:

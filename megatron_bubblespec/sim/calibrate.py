@@ -445,7 +445,7 @@ def _job_shape(cfg, off: Sequence[Mapping], bench_path: Path) -> dict:
                 "samples": r.prompts_per_step * r.samples_per_prompt // cfg.parallel.data,
                 "draft_budget": min(cfg.spec.max_draft_tokens, r.max_new_tokens),
                 "chunk": cfg.spec.draft_chunk, "in_flight": cfg.spec.draft_in_flight,
-                "horizon": cfg.spec.draft_horizon,
+                "horizon": cfg.spec.draft_horizon, "order": cfg.spec.draft_order,
                 "continuation_k": cfg.spec.spec_k if cfg.spec.speculative_continuation else 0,
                 "engine": r.engine}
     ranks = sum(1 for k in off[0] if k.startswith("rank") and k.endswith("/bubble/idle_s"))
@@ -454,8 +454,8 @@ def _job_shape(cfg, off: Sequence[Mapping], bench_path: Path) -> dict:
                                "(no run config.yaml and no rank*/bubble/idle_s metrics)")
     cap = int(max(r["rollout/max_response_len"] for r in off))
     return {"ranks": ranks, "cap": cap, "engine_tp": 1, "samples": None, "draft_budget": cap,
-            "chunk": 2, "in_flight": DRAFT_CONCURRENCY, "horizon": 1, "continuation_k": 0,
-            "engine": None}
+            "chunk": 2, "in_flight": DRAFT_CONCURRENCY, "horizon": 1, "order": "engines",
+            "continuation_k": 0, "engine": None}
 
 
 def _engine_costs(engine_paths, engine_name, lengths, measured_rank_s, prompt_len, notes):
@@ -549,7 +549,8 @@ def calibrate(bench_path: str | Path, engine_paths: Sequence[str | Path] = (), *
                          f"draft's end, {gain_diverged:.3g} in steps with a divergence")
     setting = Setting(ranks, samples, prompt_len, cap, job["draft_budget"], accept_prob=accept,
                       draft_concurrency=job["in_flight"], draft_chunk=job["chunk"],
-                      draft_horizon=job["horizon"], engine_tp=job["engine_tp"],
+                      draft_horizon=job["horizon"], draft_order=job["order"],
+                      engine_tp=job["engine_tp"],
                       jitter=jitter, continuation_k=job["continuation_k"],
                       continuation_gain_past=gain_past, continuation_gain_diverged=gain_diverged)
     measured = {k: bench.get(k) for k in (*CHECKED, "accepted_prefix_mean", "steps",

@@ -29,6 +29,8 @@ from typing import Sequence
 
 import numpy as np
 
+from megatron_bubblespec.config.schema import DRAFT_ORDERS
+
 DEFAULT_RANKS = (8, 16, 32, 64, 128, 256, 512, 1024)
 DEFAULT_CONTEXTS = (4096, 8192, 16384, 32768, 65536)
 
@@ -132,7 +134,7 @@ def grid_setting(cal, args):
         setting = replace(setting, samples_per_rank=max(
             r.prompts_per_step * r.samples_per_prompt // cfg.parallel.data, 1),
             draft_chunk=cfg.spec.draft_chunk, draft_concurrency=cfg.spec.draft_in_flight,
-            draft_horizon=cfg.spec.draft_horizon,
+            draft_horizon=cfg.spec.draft_horizon, draft_order=cfg.spec.draft_order,
             continuation_k=cfg.spec.spec_k if cfg.spec.speculative_continuation else 0)
         budget_frac = min(cfg.spec.max_draft_tokens, r.max_new_tokens) / r.max_new_tokens
         prompt = prompt_length(cfg) if args.prompt_len is None else None
@@ -147,6 +149,8 @@ def grid_setting(cal, args):
         changes["accept_prob"] = args.accept_prob
     if args.draft_horizon is not None:
         changes["draft_horizon"] = args.draft_horizon
+    if args.draft_order is not None:
+        changes["draft_order"] = args.draft_order
     if args.jitter is not None:
         changes["jitter"] = args.jitter
     if args.tp_alpha is not None:
@@ -301,6 +305,9 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--draft-horizon", type=int, default=None,
                         help="steps a bubble drafts ahead (spec.draft_horizon; default: the "
                              "calibrated job's, or --config's)")
+    parser.add_argument("--draft-order", choices=DRAFT_ORDERS, default=None,
+                        help="which samples a bubble drafts first (spec.draft_order; default: "
+                             "the calibrated job's, or --config's)")
     parser.add_argument("--layouts", type=_layouts, default=None,
                         help="comma-separated rollout layouts of --config to simulate: "
                         "one-per-replica (one engine per replica at rollout TP = TP, on the first "

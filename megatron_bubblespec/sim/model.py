@@ -65,6 +65,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from scipy.stats import norm
 
+from megatron_bubblespec.config.schema import DRAFT_ORDERS
+
 from megatron_bubblespec.sim.drafting import draft_in_bubble
 
 
@@ -220,6 +222,7 @@ class Setting:
     draft_concurrency: int = 32       # BubbleDrafter's in_flight (spec.draft_in_flight)
     draft_chunk: int = 2              # spec.draft_chunk
     draft_horizon: int = 1            # spec.draft_horizon: steps a bubble drafts ahead
+    draft_order: str = "engines"      # spec.draft_order: which samples a bubble drafts first
     jitter: float = 0.0               # log-sd of a rank's rollout speed, drawn per rank and step
     spec: bool = True
     continuation_k: int = 0           # spec.spec_k with spec.speculative_continuation, else 0
@@ -243,6 +246,8 @@ class Setting:
                              f"over {self.engines_per_replica} engines")
         if self.kv_slots is not None and self.kv_slots < 1:
             raise ValueError(f"kv_slots must be >= 1 or None, got {self.kv_slots}")
+        if self.draft_order not in DRAFT_ORDERS:
+            raise ValueError(f"draft_order {self.draft_order!r}: expected one of {DRAFT_ORDERS}")
         if self.tp_alpha < 0:
             raise ValueError(f"tp_alpha must be >= 0, got {self.tp_alpha}")
         if self.continuation_k < 0:
@@ -358,22 +363,41 @@ def _speed(rng: np.random.Generator, ranks: int, jitter: float) -> np.ndarray:
     return np.exp(jitter * rng.standard_normal(ranks) - jitter ** 2 / 2)
 
 
+def drafting_order(drafted: np.ndarray, engines: int, order: str) -> np.ndarray:
+    """Flat indices into one step's (R, B) samples in the order a bubble claims them
+    (``spec.queue``): round-robin over the ``R x engines`` engines (engine ``e`` of a replica
+    owns its samples ``e, e + engines, ...``); with ``stragglers`` the samples with a partial
+    draft first, longest first (stable)."""
+    replicas, samples = drafted.shape
+    r, b = np.meshgrid(np.arange(replicas), np.arange(samples), indexing="ij")
+    flat = np.lexsort(((b % engines).ravel(), r.ravel(), (b // engines).ravel()))
+    if order == "stragglers":
+        flat = flat[np.argsort(-drafted.ravel()[flat], kind="stable")]
+    return flat
+
+
 def _draft_ahead(setting: Setting, engine, pending: dict[int, np.ndarray], all_lengths,
                  step: int, arrive: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
     """Step ``step``'s bubble drafts steps step+1 .. step+H (``Setting.draft_horizon``): every
     sample whose draft is still short of its length (the response under the current policy, cut
-    at the budget) continues from where an earlier bubble left it, next step first. Updates
-    ``pending``; returns drafting and overshoot seconds per engine (``arrive`` is per engine).
-    A draft's age does not change its acceptance here (one ``accept_prob`` for all)."""
+    at the budget) continues from where an earlier bubble left it, next step first, within a step
+    in ``Setting.draft_order``. Updates ``pending``; returns drafting and overshoot seconds per
+    engine (``arrive`` is per engine). A draft's age does not change its acceptance here (one
+    ``accept_prob`` for all)."""
     targets = [s for s in range(step + 1, step + 1 + setting.draft_horizon)
                if s < len(all_lengths)]
     if not targets:
         return np.zeros(len(arrive)), np.zeros(len(arrive))
     shape = all_lengths[0].shape
+    per_step = int(np.prod(shape))
     done = np.concatenate([pending.get(s, np.zeros(shape, dtype=np.int64)).reshape(-1)
                            for s in targets])
     full = np.concatenate([np.minimum(all_lengths[s], budget).reshape(-1) for s in targets])
-    todo = np.flatnonzero(done < full)
+    ordered = np.concatenate([
+        i * per_step + drafting_order(done[i * per_step:(i + 1) * per_step].reshape(shape),
+                                      setting.engines_per_replica, setting.draft_order)
+        for i in range(len(targets))])
+    todo = ordered[done[ordered] < full[ordered]]
     concurrency = min(setting.draft_concurrency, setting.kv_slots or setting.draft_concurrency)
     outcome = draft_in_bubble(arrive, full[todo] - done[todo], engine, setting.prompt_len,
                               concurrency=concurrency, chunk=setting.draft_chunk)

@@ -40,6 +40,8 @@ class BubbleStats:
     drafted_samples: int = 0     # with at least one token
     drafted_tokens: int = 0
     engine_steps: int = 0
+    new_tokens: int = 0          # tokens this bubble added to the drafts (beyond their prefixes)
+    prefill_tokens: int = 0      # prompt + earlier-draft tokens the claimed requests prefilled
     last_to_arrive: bool = False
 
 
@@ -73,7 +75,7 @@ class BubbleDrafter:
             self.store.set(closed, repr(time.time()))
             stats.last_to_arrive = True
             return drafts, stats
-        pending: dict[str, tuple[Sample, int]] = {}  # request id -> (sample, key)
+        pending: dict[str, tuple[Sample, int, int]] = {}  # request id -> (sample, key, prefix)
         exhausted = next_request is None or not samples
         while self.store.add(arrive, 0) < self.num_engines:
             if time.perf_counter() - arrived_at > self.timeout_s:
@@ -91,7 +93,10 @@ class BubbleDrafter:
                 chunk = samples[start:end]
                 claimed = [next_request(sample) for sample in chunk]
                 stats.claimed_samples += len(claimed)
-                pending.update({r.request_id: (sample, r.key) for r, sample in zip(claimed, chunk)})
+                stats.prefill_tokens += sum(len(r.prompt_token_ids) + len(r.response_prefix)
+                                            for r in claimed)
+                pending.update({r.request_id: (sample, r.key, len(r.response_prefix))
+                                for r, sample in zip(claimed, chunk)})
                 self.engine.add(claimed, self.params)
             if not self.engine.has_unfinished():
                 time.sleep(self.poll_s)  # nothing left to draft: plain waiting
@@ -100,11 +105,11 @@ class BubbleDrafter:
             finished = self.engine.step()
             stats.drafting_s += time.perf_counter() - began
             stats.engine_steps += 1
-            drafts += self._collect(finished, pending, weight_version)
+            drafts += self._collect(finished, pending, weight_version, stats)
         closed_seen = time.time()
         stats.idle_s = time.perf_counter() - arrived_at
         if self.engine.has_unfinished():
-            drafts += self._collect(self.engine.abort(), pending, weight_version)
+            drafts += self._collect(self.engine.abort(), pending, weight_version, stats)
         closed_at = float(self.store.get(closed).decode())
         stats.overshoot_s = max(0.0, closed_seen - closed_at) if stats.engine_steps else 0.0
         stats.drafted_samples = sum(1 for d in drafts if d.tokens)
@@ -112,12 +117,13 @@ class BubbleDrafter:
         return [d for d in drafts if d.tokens], stats
 
     @staticmethod
-    def _collect(results: list[RolloutResult], pending: dict[str, tuple[Sample, int]],
-                 weight_version: int) -> list[Draft]:
+    def _collect(results: list[RolloutResult], pending: dict[str, tuple[Sample, int, int]],
+                 weight_version: int, stats: BubbleStats) -> list[Draft]:
         out = []
         for r in results:
             claimed = pending.pop(r.request_id, None)
             if claimed is not None:
-                (step, index), key = claimed
+                (step, index), key, prefix = claimed
+                stats.new_tokens += max(len(r.token_ids) - prefix, 0)
                 out.append(Draft(step, index, key, weight_version, tuple(r.token_ids)))
         return out

@@ -5,11 +5,14 @@ every rank (every rank absorbs every rank's drafts after the exchange), so all r
 same list of samples still to draft and a checkpoint needs only one rank's queue.
 
 Step t's bubble drafts the samples of steps t+k .. t+k+H-1 (k = ``spec.draft_lookahead``,
-H = ``spec.draft_horizon``), next step first. Within a step the order is round-robin over the
-rollout engines that will roll the samples out (engine 0's first sample, engine 1's first, ...,
-engine 0's second, ...), so a short bubble shortens every engine's next rollout a little rather
-than one engine's a lot: the step waits for the slowest engine. A draft that ran to EOS or to the draft budget is
-complete and not drafted again; a partial one is extended by a later bubble's newer policy.
+H = ``spec.draft_horizon``), next step first. Within a step the order (``spec.draft_order``) is
+round-robin over the rollout engines that will roll the samples out (engine 0's first sample,
+engine 1's first, ..., engine 0's second, ...), so a short bubble shortens every engine's next
+rollout a little rather than one engine's a lot: the step waits for the slowest engine. With
+``stragglers`` the samples whose drafts are still running (partial: no EOS yet, so likely long)
+come first, longest first, then the undrafted ones round-robin. A draft that ran to EOS or to the
+draft budget is complete and not drafted again (its slot in the drafting batch goes to the next
+sample in order); a partial one is extended by a later bubble's newer policy.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 from itertools import zip_longest
 from typing import Iterable, Sequence
 
+from megatron_bubblespec.config.schema import DRAFT_ORDERS
 from megatron_bubblespec.spec.drafts import Draft, select_drafts
 
 Sample = tuple[int, int]     # (step, global sample index within the step)
@@ -25,7 +29,10 @@ Sample = tuple[int, int]     # (step, global sample index within the step)
 class DraftQueue:
     def __init__(self, *, budget: int, eos_token_ids: Sequence[int], vocab_size: int,
                  lookahead: int = 1, horizon: int = 1, num_steps: int | None = None,
-                 engines_per_replica: int = 1):
+                 engines_per_replica: int = 1, order: str = "engines"):
+        if order not in DRAFT_ORDERS:
+            raise ValueError(f"draft order {order!r}: expected one of {DRAFT_ORDERS}")
+        self.order = order
         self.budget, self.eos_token_ids = budget, tuple(eos_token_ids)
         self.vocab_size, self.lookahead, self.horizon = vocab_size, lookahead, horizon
         self.num_steps, self.engines_per_replica = num_steps, engines_per_replica
@@ -38,7 +45,7 @@ class DraftQueue:
         return cls(budget=min(s.max_draft_tokens, cfg.rollout.max_new_tokens),
                    eos_token_ids=eos_token_ids, vocab_size=vocab_size,
                    lookahead=s.draft_lookahead, horizon=s.draft_horizon, num_steps=cfg.run.steps,
-                   engines_per_replica=engines_per_replica)
+                   engines_per_replica=engines_per_replica, order=s.draft_order)
 
     # ------------------------------------------------------------------ what to draft
     def target_steps(self, step: int) -> list[int]:
@@ -57,10 +64,19 @@ class DraftQueue:
 
     def left_to_draft(self, batches: Iterable) -> list[Sample]:
         """The samples of ``batches`` (``data.lookahead.StepBatch``, in step order) still to
-        draft, in drafting order."""
-        return [(batch.step, g) for batch in batches
-                for g in drafting_order(batch, self.engines_per_replica)
-                if not self.is_complete(self.get(batch.step, g))]
+        draft, in drafting order (``spec.draft_order``: see the module docstring)."""
+        samples = []
+        for batch in batches:
+            left = [g for g in drafting_order(batch, self.engines_per_replica)
+                    if not self.is_complete(self.get(batch.step, g))]
+            if self.order == "stragglers":   # stable: engine order among equal draft lengths
+                left.sort(key=lambda g: -self.drafted_tokens(batch.step, g))
+            samples += [(batch.step, g) for g in left]
+        return samples
+
+    def drafted_tokens(self, step: int, sample_index: int) -> int:
+        draft = self.get(step, sample_index)
+        return len(draft.tokens) if draft is not None else 0
 
     # ------------------------------------------------------------------ in and out
     def absorb(self, drafts: Sequence[Draft], expected_keys: dict[Sample, int]) -> int:
