@@ -34,6 +34,8 @@ def test_text_overrides_keep_their_text():
       "parallel.tensor=2", "parallel.data=1"], "spec.verifier=engine with rollout.engine=reference"),
     (["spec.verifier=engine", "spec.rule=residual"], "spec.verifier=engine on vLLM"),
     (["spec.proposal_token_cost=-0.1"], "spec.proposal_token_cost"),
+    (["rollout.kv_block_size=20"], "rollout.kv_block_size=20 must be a multiple of 16"),
+    (["spec.draft_order=longest"], "spec.draft_order"),
     (["noequals"], "key=value"),
     (["bogus.key=1"], "bogus"),
 ])

@@ -62,6 +62,9 @@ class RolloutConfig:
     samples_per_prompt: int = 4
     prompts_per_step: int = 4       # global, over all DP ranks
     kv_cache_mb: int = 256          # CPU: KV cache size; GPU: see gpu_memory_utilization
+    # tokens per KV block (vLLM's prefix-cache unit; None: vLLM's choice, 128 on CPU, 16 on GPU);
+    # a request prefills what follows its last cached full block (spec.reuse_draft_kv)
+    kv_block_size: Optional[int] = None
     tensor_parallel: int = 1        # ranks per engine, a divisor of TP x CP; every rank is in one engine
     gpu_memory_utilization: float = 0.5  # fraction of a GPU vLLM may take (GPU)
     max_num_batched_tokens: int = 8192   # vLLM chunked-prefill budget per engine step (GPU)
@@ -192,6 +195,8 @@ BOUNDS = {
     "rollout.sleep_level": (lambda v: v in (1, 2), "1 or 2"),
     "rollout.gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "rollout.max_num_batched_tokens": (lambda v: v >= 16, ">= 16"),
+    "rollout.kv_block_size": (lambda v: v is None or (v >= 16 and v % 16 == 0),
+                              "a multiple of 16 (vLLM's KV blocks), or null for vLLM's default"),
     "spec.draft_lookahead": (lambda v: v >= 1, ">= 1"),
     "spec.draft_horizon": (lambda v: v >= 1, ">= 1"),
     "spec.lenience": (lambda v: v >= 1, ">= 1"),

@@ -21,7 +21,8 @@ def engine_options(cfg) -> dict[str, Any]:
     r, s = cfg.rollout, cfg.spec
     return dict(kind=r.engine, max_model_len=cfg.model.max_model_len, seed=cfg.run.seed,
                 dtype=cfg.model.dtype, tensor_parallel=r.tensor_parallel,
-                kv_cache_mb=r.kv_cache_mb, gpu_memory_utilization=r.gpu_memory_utilization,
+                kv_cache_mb=r.kv_cache_mb, kv_block_size=r.kv_block_size,
+                gpu_memory_utilization=r.gpu_memory_utilization,
                 max_num_batched_tokens=r.max_num_batched_tokens,
                 keep_previous_weights=s.enabled and s.rule != "keyed",
                 sleep_mode=r.sleep_during_train,
@@ -35,7 +36,8 @@ def engine_options(cfg) -> dict[str, Any]:
 
 def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | None = None,
                  seed: int = 0, dtype: str = "float32", tensor_parallel: int = 1,
-                 kv_cache_mb: int = 256, gpu_memory_utilization: float | None = None,
+                 kv_cache_mb: int = 256, kv_block_size: int | None = None,
+                 gpu_memory_utilization: float | None = None,
                  max_num_batched_tokens: int | None = None, keep_previous_weights: bool = False,
                  keyed: bool = True, sleep_mode: bool = False, **continuation: Any):
     """Start an engine of ``kind`` on the HF directory ``path``.
@@ -46,7 +48,8 @@ def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | N
     cache kept across weight updates for drafting requests; ``keep_previous_weights`` keeps the
     drafting policy the reference engine needs for the ablation rules; ``keyed=False`` gives a vLLM
     engine on vLLM's own sampler (the benchmark's baseline, see ``VLLMEngine``); ``sleep_mode``
-    lets a GPU vLLM engine free its memory while Megatron trains. With ``tensor_parallel`` > 1
+    lets a GPU vLLM engine free its memory while Megatron trains; ``kv_block_size`` sets vLLM's KV
+    block (None: its default). With ``tensor_parallel`` > 1
     every rank of the engine's TP group calls this at the same time (vLLM's external launcher)."""
     import torch
 
@@ -64,6 +67,8 @@ def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | N
     if tensor_parallel > 1:
         continuation.update(tensor_parallel_size=tensor_parallel,
                             distributed_executor_backend="external_launcher")
+    if kv_block_size is not None:
+        continuation["block_size"] = kv_block_size
     if torch.cuda.is_available():   # a GPU share for weights + KV cache, chunked prefill
         return VLLMEngine(path, keyed=keyed, max_model_len=max_model_len, seed=seed, dtype=dtype,
                           gpu_memory_utilization=gpu_memory_utilization,

@@ -47,8 +47,10 @@ bench`` does):
 * after the barrier: the drafting ranks finish their engine step in flight (overshoot), then train
   (cost per token of the rank with the most tokens) and reshard (a constant).
 
-Not modelled: continuation on samples without a draft of their own but with drafted siblings,
-proposals' dependence on what the drafts contain (one measured gain per decode step), the higher
+Not modelled: the prefill of a partial draft's earlier tokens when a later bubble extends it (the
+claimed requests prefill their prompts only; ``spec.reuse_draft_kv`` makes that nearly true on the
+engine that drafted them, not on another), continuation on samples without a draft of their own
+but with drafted siblings, proposals' dependence on what the drafts contain (one measured gain per decode step), the higher
 cost of a k-token verify step over a plain decode step (a CPU cost), chunked prefill, prefill cost
 growing with the square of the prompt, vLLM admitting more than C sequences while they are short
 and preempting (recomputing) some when the cache fills (the slots reserve full length), the cost
