@@ -170,10 +170,12 @@ def _horizon_worker(cfg):
 
 def test_bubbles_draft_several_steps_ahead_and_extend_partial_drafts(runs, tmp_path):
     """spec.draft_horizon=3: step 0's bubble drafts steps 1-3 at once, step 1's bubble extends the
-    step-2 drafts it left partial (each later draft starts with the earlier one), every rank holds
-    every rank's drafts, and the tokens are the plain run's, drafts accepted and rejected."""
+    step-2 drafts it left partial (each later draft starts with the earlier one; running drafts
+    first, spec.draft_order=stragglers), every rank holds every rank's drafts, and the tokens are
+    the plain run's, drafts accepted and rejected."""
     _, off = runs
-    cfg = _cfg(tmp_path, "horizon", "spec.draft_horizon=3", "run.steps=4")
+    cfg = _cfg(tmp_path, "horizon", "spec.draft_horizon=3", "run.steps=4",
+               "spec.draft_order=stragglers")
     per_rank = launch_local(_horizon_worker, 2, cfg,
                             env={"TORCHDYNAMO_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     (rollouts0, queues, metrics0), (rollouts1, queues1, metrics1) = per_rank
