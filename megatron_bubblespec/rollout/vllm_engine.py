@@ -511,7 +511,8 @@ class VLLMEngine(RolloutEngine):
     def sleep(self, level: int = 1) -> None:
         """Free this engine's GPU memory while Megatron trains (``rollout.sleep_during_train``;
         the engine must be built with ``enable_sleep_mode=True``): level 1 drops the KV cache and
-        moves the weights to the host, level 2 drops both. No request may be running."""
+        moves the weights to the host, level 2 drops both; either clears the prefix cache, drafts'
+        KV kept by ``reuse_draft_kv`` included. No request may be running."""
         if self._live:
             raise RuntimeError(f"sleep with {len(self._live)} unfinished requests: abort or "
                                "finish them first")

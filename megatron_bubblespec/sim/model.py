@@ -50,8 +50,8 @@ bench`` does):
 Not modelled: the prefill of a partial draft's earlier tokens when a later bubble extends it (the
 claimed requests prefill their prompts only; ``spec.reuse_draft_kv`` makes that nearly true on the
 engine that drafted them, not on another), continuation on samples without a draft of their own
-but with drafted siblings, proposals' dependence on what the drafts contain (one measured gain per decode step), the higher
-cost of a k-token verify step over a plain decode step (a CPU cost), chunked prefill, prefill cost
+but with drafted siblings, proposals' dependence on what the drafts contain (one measured gain per
+decode step), the higher cost of a k-token verify step over a plain decode step (a CPU cost), chunked prefill, prefill cost
 growing with the square of the prompt, vLLM admitting more than C sequences while they are short
 and preempting (recomputing) some when the cache fills (the slots reserve full length), the cost
 of verification and training on a replica of several GPUs (both as calibrated), the all-gather of
@@ -68,7 +68,6 @@ import numpy as np
 from scipy.stats import norm
 
 from megatron_bubblespec.config.schema import DRAFT_ORDERS
-
 from megatron_bubblespec.sim.drafting import draft_in_bubble
 
 
