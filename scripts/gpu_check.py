@@ -393,7 +393,13 @@ def numerics_rows(metrics: Sequence[dict]) -> list[Row]:
                 f"{m['position_agreement']:.3f}, accepted prefix "
                 f"{m['accepted_prefix_agreement']:.3f}, requests {m['request_agreement']:.3f}, "
                 f"max |dlogit| {m['max_logit_abs_diff']:.3g}")
-            for m in metrics if m.get("check") == "bf16_vs_fp32_verifier"]
+            for m in metrics if m.get("check") == "bf16_vs_fp32_verifier"] + [
+        Row("numerics", "", None,
+            f"bf16 drafts verified in vLLM, {m['check'].replace('_', '-')} kernels: "
+            f"{m['samples_differing']}/{m['samples']} samples differ from plain decoding "
+            f"(first at {m['first_difference'][:4]}), accepted {m['accepted_tokens']}/"
+            f"{m['draft_tokens']} draft tokens")
+        for m in metrics if m.get("check") in ("batch_invariant", "batch_variant")]
 
 
 def step_tables(metrics: Sequence[dict]) -> list[str]:

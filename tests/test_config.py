@@ -109,6 +109,44 @@ def test_context_parallelism_needs_a_gpu():
             load_config(None, overrides)
 
 
+def test_context_parallelism_needs_the_engine_verifier(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)   # CP is GPU-only
+    overrides = ["parallel.world_size=4", "parallel.context=2", "rollout.prompts_per_step=2"]
+    with pytest.raises(ConfigError, match="spec.verifier=megatron does not run at "
+                                          "parallel.context=2.*use spec.verifier=engine"):
+        load_config(None, [*overrides, "spec.verifier=megatron"])
+    assert load_config(None, [*overrides, "spec.verifier=engine"]).parallel.context == 2
+    assert not load_config(None, [*overrides, "spec.enabled=false"]).spec.enabled
+
+
+def test_batch_invariant_kernels_need_vllm_on_a_gpu():
+    import os
+
+    import torch
+
+    from megatron_bubblespec.rollout.factory import build_engine
+
+    with pytest.raises(ConfigError, match="rollout.batch_invariant is a vLLM mode"):
+        load_config(None, ["rollout.batch_invariant=true", "rollout.engine=reference"])
+    if torch.cuda.is_available():
+        assert load_config(None, ["rollout.batch_invariant=true"]).rollout.batch_invariant
+        return
+    with pytest.raises(ConfigError, match="batch-invariant kernels, which are CUDA kernels"):
+        load_config(None, ["rollout.batch_invariant=true"])
+    before = os.environ.get("VLLM_BATCH_INVARIANT")
+    with pytest.raises(ValueError, match="batch_invariant need a GPU"):
+        build_engine("unused", kind="vllm", batch_invariant=True)
+    with pytest.raises(ValueError, match="batch_invariant is a vLLM mode"):
+        build_engine("unused", kind="reference", batch_invariant=True)
+    from megatron_bubblespec.rollout.vllm_engine import VLLMEngine
+
+    with pytest.raises(RuntimeError, match="this process has no GPU"):
+        VLLMEngine("unused", batch_invariant=True)
+    assert os.environ.get("VLLM_BATCH_INVARIANT") == before   # refused before it was set
+
+
 def test_kl_coef_is_a_non_negative_penalty():
     assert load_config(None, ["train.kl_coef=0.05"]).train.kl_coef == 0.05
     with pytest.raises(ConfigError, match=r"train.kl_coef=-0.1 must be >= 0"):

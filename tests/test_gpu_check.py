@@ -128,6 +128,8 @@ def test_summary_prints_the_metrics_then_one_table_with_the_total_last(gpu_check
          "on_policy_check": "passed"},
         {"check": "target_logits_float32", "engine": "vllm", "positions": 120,
          "max_logit_abs_diff": 1e-6, "draw_flips": 0, "near_ties": 0},
+        {"check": "batch_invariant", "samples": 32, "samples_differing": 0,
+         "first_difference": [], "draft_tokens": 900, "accepted_tokens": 610},
     ]
     path = tmp_path / "gpu-metrics.jsonl"
     path.write_text("".join(json.dumps(m) + "\n" for m in metrics))
@@ -135,9 +137,10 @@ def test_summary_prints_the_metrics_then_one_table_with_the_total_last(gpu_check
     lines = gpu_check.summary(rows, gpu_check.read_metrics(path), _ctx(gpu_check, tmp_path))
     text = "\n".join(lines)
     assert text.index("on-policy check") < text.index("target logits") < text.index("stage ")
-    assert lines[-4].split()[0] == "stage"
-    assert lines[-3].split()[:2] == ["info", "ok"]
-    assert lines[-2].startswith("numerics") and "positions 0.980" in lines[-2]
+    assert lines[-5].split()[0] == "stage"
+    assert lines[-4].split()[:2] == ["info", "ok"]
+    assert lines[-3].startswith("numerics") and "positions 0.980" in lines[-3]
+    assert lines[-2].startswith("numerics") and "batch-invariant kernels: 0/32" in lines[-2]
     assert lines[-1].startswith("total") and lines[-1].endswith("wall time (limit 290 s)")
     assert "float32   vllm" in text and "passed" in text
 

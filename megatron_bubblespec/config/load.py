@@ -113,6 +113,7 @@ def validate(cfg: Config) -> None:
                           f"{list(PROPOSAL_SOURCES)} "
                           "(for example spec.proposal_sources=[bubble,prompt,self])")
     _check_gpu_memory_switches(cfg)
+    _check_batch_invariance(cfg)
     if cfg.rollout.prompts_per_step % p.data:
         raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be divisible "
                           f"by parallel.data={p.data} (each DP rank gets whole prompt groups)")
@@ -122,6 +123,11 @@ def validate(cfg: Config) -> None:
                           "reference engine, which runs only at parallel.tensor=parallel.pipeline"
                           "=1; use spec.verifier=megatron, or rollout.engine=vllm (which verifies "
                           "inside its rollout at any layout)")
+    if cfg.spec.enabled and cfg.spec.verifier == "megatron" and p.context > 1:
+        raise ConfigError(f"spec.verifier=megatron does not run at parallel.context={p.context} "
+                          "(its keyed draws need each sequence's logits whole on a rank); use "
+                          "spec.verifier=engine (drafts verified inside vLLM's rollout, any "
+                          "layout) or spec.enabled=false")
     if cfg.spec.verifier == "engine" and cfg.rollout.engine == "vllm" and cfg.spec.rule != "keyed":
         raise ConfigError(f"spec.verifier=engine on vLLM verifies with the keyed rule only "
                           f"(spec.rule={cfg.spec.rule!r} needs the drafts' distributions); use "
@@ -212,6 +218,19 @@ def _check_gpu_memory_switches(cfg: Config) -> None:
     if cfg.rollout.sleep_during_train and cfg.rollout.engine != "vllm":
         raise ConfigError("rollout.sleep_during_train uses vLLM's sleep mode: it needs "
                           "rollout.engine=vllm")
+
+
+def _check_batch_invariance(cfg: Config) -> None:
+    """rollout.batch_invariant: vLLM's batch-invariant CUDA kernels."""
+    if not cfg.rollout.batch_invariant:
+        return
+    if cfg.rollout.engine != "vllm":
+        raise ConfigError("rollout.batch_invariant is a vLLM mode (VLLM_BATCH_INVARIANT=1): it "
+                          "needs rollout.engine=vllm")
+    if not _cuda():
+        raise ConfigError("rollout.batch_invariant turns on vLLM's batch-invariant kernels, which "
+                          "are CUDA kernels; this machine has no GPU (CPU rollouts run float32): "
+                          "set rollout.batch_invariant=false")
 
 
 def _check_data(cfg: Config) -> None:

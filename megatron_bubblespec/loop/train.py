@@ -33,6 +33,7 @@ from megatron_bubblespec.loop.step import gather_step, run_step
 from megatron_bubblespec.metrics import (MetricsWriter, RunProgress, aggregate_step, plot_run,
                                          print_summary, read_metrics, to_json)
 from megatron_bubblespec.metrics.rollouts import append_rollouts, read_rollouts, write_rollouts
+from megatron_bubblespec.rollout.vllm_engine import BATCH_INVARIANT_ENV
 from megatron_bubblespec.train.checkpoint import check_checkpointable
 from megatron_bubblespec.train.export import export_final
 
@@ -77,6 +78,8 @@ def train_rank(cfg: Config, return_weights: bool = False) -> dict | None:
     # vLLM reads its log level when first imported (in build_replica): keep the console for the
     # progress display unless the user asked for vLLM's own logs.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if cfg.rollout.batch_invariant:   # read when vLLM's kernels are imported (check_batch_invariance)
+        os.environ[BATCH_INVARIANT_ENV] = "1"
     route_third_party_output(run_dir(cfg))
     out_dir = run_dir(cfg)
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))

