@@ -258,7 +258,7 @@ def test_continuation_pauses_after_misses():
     assert (c.proposed, c.accepted) == (9, 2)
 
 
-ALL_SOURCES = ("bubble", "prompt", "history", "self", "siblings")
+ALL_SOURCES = ("bubble", "realign", "prompt", "history", "self", "siblings")
 SOURCES_OPTIONS = dict(speculative_continuation=True, spec_k=SPEC_K, spec_min_match=2,
                        spec_max_match=8, proposal_sources=ALL_SOURCES)
 ADAPTIVE_OPTIONS = dict(SOURCES_OPTIONS, spec_token_cost=0.4)
@@ -286,8 +286,10 @@ def test_every_proposal_source_keeps_the_tokens_and_both_engines_agree(checkpoin
     pair starts from a fixed prefix, ahead of its sibling (one token of it off the greedy text, so
     greedy siblings differ). Each prompt quotes the text the model goes on to write (greedy text
     of a random model loops), so the prompt source has something to propose. The first pair has
-    bubble drafts, the second a history (the start of its greedy response, with every fifth token
-    wrong), the third neither: the static sources would otherwise win every tie."""
+    bubble drafts (each sample's own draft, shifted, is its ``realign`` source; the other's
+    response its ``bubble`` source), the second a history (the start of its greedy response,
+    with every fifth token wrong), the third neither: the static sources would otherwise win
+    every tie."""
     engine = sources_engine
     reference = ReferenceEngine(checkpoint, **SOURCES_OPTIONS)
     quoted = [p + r.token_ids[:40] for p, r in zip(prompts, plain["greedy"])]
@@ -304,6 +306,8 @@ def test_every_proposal_source_keeps_the_tokens_and_both_engines_agree(checkpoin
             out = _requests(tag, pairs, keys, pools if with_sources else None, prefixes)
             for request in out[2:4] if with_sources else ():
                 request.history = [history]
+            for request in out[:2] if with_sources else ():
+                request.own_draft = 0   # the "siblings" pools: the own draft first
             return out
 
         base = plain_engine.generate(requests(f"base-{name}", False), PARAMS[name])
@@ -343,6 +347,33 @@ def test_the_proposal_index_takes_the_longest_match_then_the_earlier_source():
     assert c.counts == {"self": [3, 2]} and (c.proposed, c.accepted) == (3, 2)
     with pytest.raises(ValueError, match="unknown proposal sources"):
         DraftPool(prompt, [], sources=("elsewhere",))
+
+
+def test_a_samples_own_draft_is_realign_and_the_others_drafts_are_bubble():
+    """One index shared by two samples with a draft each: the own draft, met again after the
+    response left it, proposes as ``realign``, the sibling's as ``bubble``; each can be switched
+    off alone, and a sample without a draft of its own sees every draft as ``bubble``."""
+    prompt = [1, 2, 3]
+    drafts = [[10, 11, 12, 13, 14, 15], [20, 21, 22, 23]]
+    registry = Siblings(2, 8, ("bubble", "realign", "siblings"))
+    a = registry.pool("a", prompt, drafts, own_draft=0)
+    b = registry.pool("b", prompt, drafts, own_draft=1)
+    newcomer = registry.pool("c", prompt, drafts)
+    assert a.index is b.index is newcomer.index
+    diverged = prompt + [10, 11, 99, 12, 13]   # one token off the draft, then back on it
+    assert a.propose(diverged, 2) == ([14, 15], "realign")
+    assert b.propose(diverged, 2) == ([14, 15], "bubble")
+    assert newcomer.propose(prompt + [5, 20, 21], 2) == ([22, 23], "bubble")
+    assert b.propose(prompt + [5, 20, 21], 2) == ([22, 23], "realign")
+    only_others = DraftPool(prompt, drafts, 2, 8, sources=("bubble",), member="a", own_draft=0)
+    assert only_others.propose(diverged, 2) == ([], None)
+    assert only_others.propose(prompt + [20, 21], 2) == ([22, 23], "bubble")
+    only_own = DraftPool(prompt, drafts, 2, 8, sources=("realign",), member="a", own_draft=0)
+    assert only_own.propose(diverged, 2) == ([14, 15], "realign")
+    assert only_own.propose(prompt + [20, 21], 2) == ([], None)
+    c = Continuation(only_own, k=2)
+    c.record(c.propose(diverged, budget=10), 1)
+    assert c.by_source() == {"realign": (2, 1)}
 
 
 def test_a_prompts_samples_share_one_index_and_propose_from_each_other():

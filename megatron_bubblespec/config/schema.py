@@ -85,11 +85,12 @@ class SpecConfig:
     draft_chunk: int = 2            # samples claimed from the shared cursor at a time
     draft_in_flight: int = 32       # next-step samples a drafting rank keeps in its engine at once
     speculative_continuation: bool = True
-    # what a decoding sample proposes from (spec.pool): its prompt's bubble drafts, the prompt's
-    # text, the prompt's responses from its last rollout (history), its own text so far (self),
-    # its prompt's other samples as they are generated (siblings); each switchable, each counted
-    # in spec/continuation_*/<source>
-    proposal_sources: list[str] = field(default_factory=lambda: ["bubble"])
+    # what a decoding sample proposes from (spec.pool): its prompt's other samples' bubble drafts
+    # (bubble), its own draft after the response left it (realign), the prompt's text, the
+    # prompt's responses from its last rollout (history), its own text so far (self), its
+    # prompt's other samples as they are generated (siblings); each switchable, each counted in
+    # spec/continuation_*/<source>
+    proposal_sources: list[str] = field(default_factory=lambda: ["bubble", "realign"])
     spec_k: int = 4
     # the cost of one proposed token, as a fraction of a decode step: each sample then proposes
     # the 0 .. spec_k tokens that pay at its recent acceptance (spec.pool); none: always spec_k
@@ -153,7 +154,7 @@ class Config:
 
 
 # What speculative continuation proposes from (``spec.pool``, where each is described).
-PROPOSAL_SOURCES = ("bubble", "prompt", "history", "self", "siblings")
+PROPOSAL_SOURCES = ("bubble", "realign", "prompt", "history", "self", "siblings")
 # Which of a step's samples a bubble drafts first (``spec.queue``, where each is described).
 DRAFT_ORDERS = ("engines", "stragglers")
 

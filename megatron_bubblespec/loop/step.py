@@ -121,13 +121,17 @@ def with_draft_pools(rep: Replica, step: int, requests, pending: dict[int, Draft
     with the ``history`` source, from its prompt's responses the last time it was rolled out."""
     batch = rep.sampler.batch(step)
     pools: dict[int, list[list[int]]] = {}
+    own: dict[int, int] = {}   # sample -> the place of its draft in its prompt's pool
     for g in my_samples(rep, step):
         if g in pending:
-            pools.setdefault(batch.slot(g).prompt_index, []).append(list(pending[g].tokens))
+            pool = pools.setdefault(batch.slot(g).prompt_index, [])
+            own[g] = len(pool)
+            pool.append(list(pending[g].tokens))
     history = "history" in rep.cfg.spec.proposal_sources
     for request, g in zip(requests, my_samples(rep, step)):
         prompt_index = batch.slot(g).prompt_index
         request.draft_pool = pools.get(prompt_index, [])
+        request.own_draft = own.get(g)
         if history:
             request.history = rep.state.responses.of(rep.task.prompt(prompt_index).uid)
     return requests

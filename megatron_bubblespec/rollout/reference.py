@@ -180,7 +180,7 @@ class ReferenceEngine(RolloutEngine):
         if self.speculative_continuation and has_sources(self.proposal_sources,
                                                          request.draft_pool, request.history):
             pool = self._siblings.pool(request.request_id, request.prompt_token_ids,
-                                       request.draft_pool, request.history)
+                                       request.draft_pool, request.history, request.own_draft)
             if pool:
                 state.continuation = Continuation(pool, self.spec_k,
                                                   token_cost=self.spec_token_cost)

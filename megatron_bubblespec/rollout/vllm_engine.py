@@ -405,7 +405,8 @@ class VLLMEngine(RolloutEngine):
                 len(request.prompt_token_ids), request.draft_pool if pooled else [], self.spec_k,
                 self.spec_min_match, self.spec_max_match, sources, draft=request.draft,
                 draft_k=VLLM_MAX_SPEC_TOKENS, token_cost=self.spec_token_cost,
-                history=request.history if pooled else [])
+                history=request.history if pooled else [],
+                own_draft=request.own_draft if pooled else None)
         return VLLMSamplingParams(
             n=1, temperature=0.0,   # greedy: vLLM's sampler takes the token the processor forced
             max_tokens=max_tokens,

@@ -32,15 +32,17 @@ POOL_ARGS_KEY = "bubblespec_pool"
 def pool_extra_args(prompt_len: int, drafts: list[list[int]], k: int, min_match: int,
                     max_match: int, sources: tuple[str, ...] = ("bubble",),
                     draft: list[int] = (), draft_k: int | None = None,
-                    token_cost: float | None = None, history: list[list[int]] = ()) -> dict:
+                    token_cost: float | None = None, history: list[list[int]] = (),
+                    own_draft: int | None = None) -> dict:
     """What a request carries in ``SamplingParams.extra_args[POOL_ARGS_KEY]`` (``prompt_len``:
     the prompt's length without the response prefix that vLLM receives as part of it; ``draft``:
     the sample's own draft to verify, in response positions, ``draft_k`` of its tokens a step;
-    ``history``: the prompt's earlier responses)."""
+    ``history``: the prompt's earlier responses; ``own_draft``: the place of the sample's own
+    draft in ``drafts``)."""
     return {"prompt_len": int(prompt_len), "drafts": [list(d) for d in drafts], "k": int(k),
             "min_match": int(min_match), "max_match": int(max_match), "sources": list(sources),
             "draft": [int(t) for t in draft], "draft_k": draft_k, "token_cost": token_cost,
-            "history": [list(h) for h in history]}
+            "history": [list(h) for h in history], "own_draft": own_draft}
 
 
 @dataclass
@@ -93,7 +95,8 @@ class PoolProposer:
         prompt = cached.prompt_token_ids[:spec["prompt_len"]]   # vLLM's prompt holds the prefix too
         if self.siblings is None:   # the engine's options: the same for all its requests
             self.siblings = Siblings(spec["min_match"], spec["max_match"], spec["sources"])
-        pool = self.siblings.pool(request_id, prompt, spec["drafts"], spec.get("history", ()))
+        pool = self.siblings.pool(request_id, prompt, spec["drafts"], spec.get("history", ()),
+                                  spec.get("own_draft"))
         draft = spec.get("draft") or ()
         if not pool and not draft:
             self.siblings.leave(request_id)

@@ -37,6 +37,7 @@ class RolloutRequest:
     response_prefix: list[int] = field(default_factory=list)
     eos_token_ids: tuple[int, ...] = ()
     draft_pool: list[list[int]] = field(default_factory=list)  # drafts of the same prompt (speculative continuation)
+    own_draft: int | None = None   # the place of this sample's own draft in draft_pool, if any
     history: list[list[int]] = field(default_factory=list)  # the prompt's responses from its last rollout (the history source)
     draft: list[int] = field(default_factory=list)  # its own draft, verified inside the engine's forward
     prefix_logprobs: bool = True   # the prefix's logprobs are wanted (a full-vocabulary prefill pass)

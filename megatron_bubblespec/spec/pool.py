@@ -5,8 +5,10 @@ Speculative continuation: while a sample decodes, it proposes tokens that follow
 suffix of its current text seen in one of its sources; the keyed verifier decides, so any source is
 exact. The sources (``spec.proposal_sources``, each switchable):
 
-* ``bubble``: the drafts of the same prompt made by the older policy in the bubble (its siblings'
-  and its own, after a divergence; each indexed as prompt + draft);
+* ``bubble``: the drafts of the same prompt's other samples, made by the older policy in the
+  bubble (each indexed as prompt + draft);
+* ``realign``: the sample's own bubble draft after the response left it (a rejected token): a
+  suffix match finds where the response meets the draft again, and the draft resumes from there;
 * ``prompt``: the prompt's text (a response often quotes the question's numbers and phrases);
 * ``history``: the prompt's responses from the last time it was rolled out (an earlier epoch;
   each indexed as prompt + response);
@@ -29,13 +31,14 @@ from megatron_bubblespec.config.schema import PROPOSAL_SOURCES as SOURCES
 
 STATIC = ("prompt", "bubble", "history")   # fixed when the prompt's index is built
 GROWING = ("self", "siblings")              # the samples' own texts, indexed as they grow
+DRAFTS = ("bubble", "realign")              # the prompt's bubble drafts: the others', one's own
 
 
 def has_sources(sources, drafts, history=()) -> bool:
     """Whether a sample with these ``drafts`` (and earlier responses) has anything to propose
     from (its prompt and the samples' texts always exist; drafts and responses when there are
     some)."""
-    return bool(set(sources) - {"bubble", "history"}) or bool(drafts and "bubble" in sources) \
+    return bool(set(sources) - {*DRAFTS, "history"}) or bool(drafts and set(DRAFTS) & set(sources)) \
         or bool(history and "history" in sources)
 
 
@@ -62,13 +65,18 @@ class PromptIndex:
         self.owner_of: list[str | None] = []   # the member whose response it is
         self.index: dict[tuple[int, ...], dict[int, int]] = {}   # n-gram -> {sequence: end}
         self.members: dict[str, int] = {}   # member -> its response's sequence
+        self.draft_sequence: dict[int, int] = {}   # draft's place in ``drafts`` -> its sequence
         if "prompt" in self.sources:
             self._add(list(self.prompt), "prompt")
-        for source, texts in (("bubble", drafts), ("history", history)):
-            if source in self.sources:
-                for text in texts:
-                    if text:
-                        self._add(self.prompt + [int(t) for t in text], source)
+        if self.sources & set(DRAFTS):
+            for i, text in enumerate(drafts):
+                if text:
+                    self.draft_sequence[i] = self._add(self.prompt + [int(t) for t in text],
+                                                       "bubble")
+        if "history" in self.sources:
+            for text in history:
+                if text:
+                    self._add(self.prompt + [int(t) for t in text], "history")
 
     def _add(self, seq: list[int], source: str, owner: str | None = None) -> int:
         self.sequences.append(seq)
@@ -89,8 +97,11 @@ class PromptIndex:
         """Whether the samples' texts are indexed (``self`` or ``siblings`` is a source)."""
         return bool(self.sources & set(GROWING))
 
-    def join(self, member: str) -> None:
-        """A sample of this prompt: its response gets a sequence once it writes one."""
+    def join(self, member: str, own_draft: int | None = None) -> None:
+        """A sample of this prompt (``own_draft``: the place of its own draft in ``drafts``): its
+        response gets a sequence once it writes one."""
+        if own_draft in self.draft_sequence:
+            self.owner_of[self.draft_sequence[own_draft]] = member
         if member not in self.members and self.grows:
             self.members[member] = self._add([], "response", member)
 
@@ -111,10 +122,11 @@ class PromptIndex:
 
     def _source(self, s: int, member: str) -> str | None:
         """What sequence ``s`` is to ``member``: its source if ``member`` may propose from it."""
-        source = self.source_of[s]
-        if source in STATIC:
-            return source
-        source = "self" if self.owner_of[s] == member else "siblings"
+        source, own = self.source_of[s], self.owner_of[s] == member
+        if source == "bubble":
+            source = "realign" if own else "bubble"
+        elif source == "response":
+            source = "self" if own else "siblings"
         return source if source in self.sources else None
 
     def propose(self, member: str, context: Sequence[int], k: int) -> tuple[list[int], str | None]:
@@ -138,11 +150,11 @@ class DraftPool:
     def __init__(self, prompt: Sequence[int], drafts: Sequence[Sequence[int]] = (),
                  min_match: int = 2, max_match: int = 8, sources: Sequence[str] = ("bubble",),
                  history: Sequence[Sequence[int]] = (), *, index: PromptIndex | None = None,
-                 member: str = "sample"):
+                 member: str = "sample", own_draft: int | None = None):
         self.index = index or PromptIndex(prompt, drafts, min_match, max_match, sources, history)
         self.member = member
         self.prompt_len = len(prompt)
-        self.index.join(member)
+        self.index.join(member, own_draft)
 
     def __bool__(self) -> bool:
         """Whether anything may ever propose (a static sequence, or the samples' texts)."""
@@ -172,11 +184,12 @@ class Siblings:
         self.key_of: dict[str, tuple] = {}   # member -> its prompt's key
 
     def pool(self, member: str, prompt: Sequence[int], drafts: Sequence[Sequence[int]] = (),
-             history: Sequence[Sequence[int]] = ()) -> DraftPool:
-        """The sample ``member``'s pool: a view of its prompt's shared index."""
+             history: Sequence[Sequence[int]] = (), own_draft: int | None = None) -> DraftPool:
+        """The sample ``member``'s pool (``own_draft``: the place of its own draft in
+        ``drafts``): a view of its prompt's shared index."""
         if not self.shared:
             return DraftPool(prompt, drafts, self.min_match, self.max_match, self.sources,
-                             history, member=member)
+                             history, member=member, own_draft=own_draft)
         key = (tuple(prompt), tuple(map(tuple, drafts)), tuple(map(tuple, history)))
         if key not in self.indexes:
             self.indexes[key] = (PromptIndex(prompt, drafts, self.min_match, self.max_match,
@@ -184,7 +197,7 @@ class Siblings:
         index, members = self.indexes[key]
         members.add(member)
         self.key_of[member] = key
-        return DraftPool(prompt, index=index, member=member)
+        return DraftPool(prompt, index=index, member=member, own_draft=own_draft)
 
     def leave(self, member: str) -> None:
         """``member`` finished or was aborted: its text stays for the others until the last."""

@@ -2,8 +2,8 @@
 and its proposal sources.
 
 With continuation on, a sample whose draft was rejected keeps proposing tokens from its sources
-(spec.proposal_sources; the config's by default: the drafts of its prompt, re-aligned on a suffix
-match of at least spec.min_match tokens), so drafts keep saving decode steps past the first
+(spec.proposal_sources; the schema's default: the other drafts of its prompt, and its own draft
+re-aligned, each on a suffix match of at least spec.min_match tokens), so drafts keep saving decode steps past the first
 divergence; off, the engine decodes everything after the accepted prefix one token per step.
 `--sources` adds one continuation-on variant per source set (`+` joins sources: `self+siblings`;
 `all` is every source), each counted apart in the continuation columns. The history source
