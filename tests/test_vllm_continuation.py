@@ -582,6 +582,27 @@ def test_adaptive_proposals_keep_the_tokens_and_both_engines_agree(checkpoint, a
     assert engine.last_engine_steps == reference.last_engine_steps
 
 
+def test_a_cost_measured_at_start_up_sets_the_widths_and_keeps_the_tokens(checkpoint, plain,
+                                                                          plain_engine, prompts,
+                                                                          keys):
+    """spec.measure_proposal_cost: the factory's engine times plain and verify steps at start-up
+    and proposes by the measured cost from then on; the tokens stay plain decoding's."""
+    from megatron_bubblespec.rollout.factory import build_engine
+
+    engine = build_engine(checkpoint, kind="vllm", max_model_len=512, seed=0,
+                          measure_cost_at_rows=4, **ADAPTIVE_OPTIONS)
+    measured = engine.spec_token_cost
+    assert measured != ADAPTIVE_OPTIONS["spec_token_cost"] and 0.0 <= measured <= 10.0
+    assert not engine.has_unfinished()
+    assert engine.proposal_sources == ALL_SOURCES   # restored after the measurement
+    want = plain["T1"]
+    pools = _pools("siblings", [r.token_ids for r in want], seed=5)
+    _assert_same(engine.generate(_requests("measured", prompts, keys, pools), PARAMS["T1"]),
+                 want, "measured cost")
+    with pytest.raises(ValueError, match="needs speculative_continuation=True"):
+        plain_engine.measure_proposal_cost(4)
+
+
 def test_a_prefix_without_its_logprobs_keeps_the_tokens(plain_engine, plain, prompts, keys):
     """Bubble drafts extend a partial draft and need no logprobs over it (vLLM would run a
     full-vocabulary pass over every prefix position): NaN there, the same tokens and logprobs

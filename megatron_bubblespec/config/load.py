@@ -154,6 +154,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"spec.spec_k={cfg.spec.spec_k}: vLLM's rejection sampler verifies at "
                           f"most {VLLM_MAX_SPEC_TOKENS} proposed tokens per step; lower "
                           "spec.spec_k")
+    if cfg.spec.measure_proposal_cost and not (
+            cfg.spec.speculative_continuation and cfg.rollout.engine == "vllm"
+            and cfg.rollout.tensor_parallel == 1):
+        raise ConfigError("spec.measure_proposal_cost measures a vLLM engine's verify steps at "
+                          "start-up: it needs spec.speculative_continuation=true, rollout.engine="
+                          "vllm and rollout.tensor_parallel=1 (the ranks of a tensor-parallel "
+                          "engine would measure apart); or set spec.proposal_token_cost instead")
     if cfg.spec.proposal_token_cost is not None and cfg.spec.proposal_token_cost < 0:
         raise ConfigError(f"spec.proposal_token_cost={cfg.spec.proposal_token_cost}: the cost of "
                           "a proposed token as a fraction of a decode step must be >= 0 (about "

@@ -95,6 +95,9 @@ class SpecConfig:
     # the cost of one proposed token, as a fraction of a decode step: each sample then proposes
     # the 0 .. spec_k tokens that pay at its recent acceptance (spec.pool); none: always spec_k
     proposal_token_cost: Optional[float] = None
+    # each vLLM engine measures proposal_token_cost at start-up instead, at its share of a step's
+    # samples (VLLMEngine.measure_proposal_cost; a few seconds), and logs spec/proposal_token_cost
+    measure_proposal_cost: bool = False
     min_match: int = 2
     max_match: int = 8
     barrier_timeout_s: float = 600.0

@@ -361,6 +361,8 @@ def engine_metrics(rep: Replica, mine: EngineRollout, drafted: list[int], accept
     }
     if verified:
         metrics["spec/accepted_prefix_mean"] = sum(verified) / len(verified)
+    if rep.cfg.spec.enabled and rep.cfg.spec.measure_proposal_cost:
+        metrics["spec/proposal_token_cost"] = rep.engine.spec_token_cost   # as measured
     return metrics
 
 

