@@ -78,12 +78,15 @@ def compare(batch_invariant: bool, workdir: str, dtype: str = "bfloat16") -> dic
             "drafts_cut_short": sum(a < len(d) for a, d in zip(accepted, drafts) if d)}
 
 
-def _run(batch_invariant: bool, tmp_path) -> dict:
+def _run(batch_invariant: bool, tmp_path, dtype: str = "bfloat16") -> dict:
+    """``compare`` in a fresh interpreter: vLLM reads VLLM_BATCH_INVARIANT when first imported,
+    and an engine collected inside this process would tear down the distributed state the other
+    modules' engines share."""
     env = dict(os.environ)
     env.pop("VLLM_BATCH_INVARIANT", None)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the package's checkout
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    out = subprocess.run([sys.executable, __file__, str(int(batch_invariant)), str(tmp_path)],
+    out = subprocess.run([sys.executable, __file__, str(int(batch_invariant)), str(tmp_path), dtype],
                          env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
@@ -117,11 +120,11 @@ def test_the_comparison_in_float32_on_the_cpu_finds_no_difference(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("the CPU's float32 case")
-    result = compare(False, str(tmp_path), dtype="float32")
+    result = _run(False, tmp_path, dtype="float32")
     assert result["samples_differing"] == 0, result
     assert 0 < result["accepted_tokens"] < result["draft_tokens"]
     assert result["drafts_cut_short"] > 0
 
 
 if __name__ == "__main__":
-    print(json.dumps(compare(bool(int(sys.argv[1])), sys.argv[2])))
+    print(json.dumps(compare(bool(int(sys.argv[1])), sys.argv[2], sys.argv[3])))

@@ -582,15 +582,20 @@ def test_adaptive_proposals_keep_the_tokens_and_both_engines_agree(checkpoint, a
     assert engine.last_engine_steps == reference.last_engine_steps
 
 
-def test_a_cost_measured_at_start_up_sets_the_widths_and_keeps_the_tokens(checkpoint, plain,
+@pytest.fixture(scope="module")
+def measured_engine(checkpoint):
+    from megatron_bubblespec.rollout.factory import build_engine
+
+    return build_engine(checkpoint, kind="vllm", max_model_len=512, seed=0,
+                        measure_cost_at_rows=4, **ADAPTIVE_OPTIONS)
+
+
+def test_a_cost_measured_at_start_up_sets_the_widths_and_keeps_the_tokens(measured_engine, plain,
                                                                           plain_engine, prompts,
                                                                           keys):
     """spec.measure_proposal_cost: the factory's engine times plain and verify steps at start-up
     and proposes by the measured cost from then on; the tokens stay plain decoding's."""
-    from megatron_bubblespec.rollout.factory import build_engine
-
-    engine = build_engine(checkpoint, kind="vllm", max_model_len=512, seed=0,
-                          measure_cost_at_rows=4, **ADAPTIVE_OPTIONS)
+    engine = measured_engine
     measured = engine.spec_token_cost
     assert measured != ADAPTIVE_OPTIONS["spec_token_cost"] and 0.0 <= measured <= 10.0
     assert not engine.has_unfinished()
