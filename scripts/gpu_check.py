@@ -200,8 +200,8 @@ def _probe_vllm() -> str:
 
 
 def _probe_bench_engines() -> str:
-    """The benchmark's engines in order: vLLM when installed and CUDA is there, else only the
-    reference engine (which also runs when vLLM fails)."""
+    """The benchmark's engines in order: vLLM, keyed against its own sampler, when installed and
+    CUDA is there, else only the reference engine (which also runs when vLLM fails)."""
     import importlib.metadata
 
     import torch
@@ -210,7 +210,7 @@ def _probe_bench_engines() -> str:
         importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:
         return "reference"
-    return "vllm reference" if torch.cuda.is_available() else "reference"
+    return "vllm,plain reference" if torch.cuda.is_available() else "reference"
 
 
 PROBES = {"torch": _probe_torch, "vllm": _probe_vllm, "bench-engines": _probe_bench_engines}
@@ -246,8 +246,12 @@ def step_command(ctx: Context) -> list[str]:
 
 def bench_command(ctx: Context, engine: str) -> list[str]:
     return [sys.executable, "-m", "megatron_bubblespec.cli", "bench-engine", "--engine", engine,
-            "--model", "tiny", "--batch-sizes", "1,8", "--prompt-len", "64", "--new-tokens", "32",
-            "--repeats", "3", "--out", str(ctx.out / f"bench-{engine}.json")]
+            "--model", "tiny", "--batch-sizes", "1,8,32", "--prompt-len", "64", "--new-tokens", "32",
+            "--repeats", "3", "--out", str(_bench_path(ctx, engine, "json"))]
+
+
+def _bench_path(ctx: Context, engine: str, suffix: str) -> Path:
+    return ctx.out / f"bench-{engine.replace(',', '-')}.{suffix}"
 
 
 @check("environment")
@@ -350,18 +354,22 @@ def bench_detail(path: Path) -> str:
     engine = report["settings"]["engines"][0]
     where = "CUDA" if engine == "vllm" else "CPU torch"
     decode = ", ".join(f"b{r['batch_size']} {r['decode_step_median_s'] * 1e3:.2f}"
-                       for r in report["rows"])
-    return f"{engine} engine ({where}), tiny model: decode ms p50 {decode}"
+                       for r in report["rows"] if r["engine"] == engine)
+    keyed = ", ".join(f"b{c['batch_size']} {c['keyed_over_plain']:.3f}"
+                      for c in report.get("comparison", []))
+    return (f"{engine} engine ({where}), tiny model: decode ms p50 {decode}"
+            + (f"; keyed / plain vLLM tokens/s {keyed}" if keyed else ""))
 
 
 @check("benchmark", limit_s=120, need_s=40,
        command=lambda ctx: bench_command(ctx, bench_engines()[0]))
 def benchmark(ctx: Context) -> tuple[str, str]:
-    """bubblespec bench-engine: vLLM on CUDA when it is there, else (or when it fails) reference"""
+    """bubblespec bench-engine: vLLM on CUDA, keyed against plain, when it is there, else (or
+    when it fails) reference"""
     detail = "no engine finished"
     for engine in bench_engines():
         print(f"-- bubblespec bench-engine --engine {engine}", flush=True)
-        report, log = ctx.out / f"bench-{engine}.json", ctx.out / f"bench-{engine}.log"
+        report, log = _bench_path(ctx, engine, "json"), _bench_path(ctx, engine, "log")
         report.unlink(missing_ok=True)
         rc = run_logged(bench_command(ctx, engine), ctx.seconds(), log)
         if rc == 0 and report.is_file() and report.stat().st_size:

@@ -110,6 +110,16 @@ def test_a_command_past_its_limit_is_stopped(gpu_check, tmp_path):
     assert log.read_text().strip() == "started"
 
 
+def test_the_benchmark_detail_gives_keyed_over_plain(gpu_check, tmp_path):
+    rows = [{"engine": e, "batch_size": b, "decode_step_median_s": s}
+            for e, b, s in (("vllm", 1, 0.004), ("vllm", 8, 0.005), ("plain", 1, 0.0041))]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"settings": {"engines": ["vllm", "plain"]}, "rows": rows,
+                                "comparison": [{"batch_size": 1, "keyed_over_plain": 0.981}]}))
+    assert gpu_check.bench_detail(path) == ("vllm engine (CUDA), tiny model: decode ms p50 b1 4.00, "
+                                            "b8 5.00; keyed / plain vLLM tokens/s b1 0.981")
+
+
 def test_junit_counts(gpu_check, tmp_path):
     path = tmp_path / "junit.xml"
     path.write_text('<testsuites><testsuite tests="7" failures="1" errors="0" skipped="2"/>'
