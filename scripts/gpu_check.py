@@ -246,8 +246,8 @@ def step_command(ctx: Context) -> list[str]:
 
 def bench_command(ctx: Context, engine: str) -> list[str]:
     return [sys.executable, "-m", "megatron_bubblespec.cli", "bench-engine", "--engine", engine,
-            "--model", "tiny", "--batch-sizes", "1,8,32", "--prompt-len", "64", "--new-tokens", "32",
-            "--repeats", "3", "--out", str(_bench_path(ctx, engine, "json"))]
+            "--model", "tiny", "--batch-sizes", "1,8,32", "--prompt-len", "64",
+            "--new-tokens", "32", "--repeats", "3", "--out", str(_bench_path(ctx, engine, "json"))]
 
 
 def _bench_path(ctx: Context, engine: str, suffix: str) -> Path:

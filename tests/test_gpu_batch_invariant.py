@@ -86,8 +86,8 @@ def _run(batch_invariant: bool, tmp_path, dtype: str = "bfloat16") -> dict:
     env.pop("VLLM_BATCH_INVARIANT", None)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the package's checkout
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    out = subprocess.run([sys.executable, __file__, str(int(batch_invariant)), str(tmp_path), dtype],
-                         env=env, capture_output=True, text=True, timeout=900)
+    out = subprocess.run([sys.executable, __file__, str(int(batch_invariant)), str(tmp_path),
+                          dtype], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     print(json.dumps(result))

@@ -116,8 +116,9 @@ def test_the_benchmark_detail_gives_keyed_over_plain(gpu_check, tmp_path):
     path = tmp_path / "bench.json"
     path.write_text(json.dumps({"settings": {"engines": ["vllm", "plain"]}, "rows": rows,
                                 "comparison": [{"batch_size": 1, "keyed_over_plain": 0.981}]}))
-    assert gpu_check.bench_detail(path) == ("vllm engine (CUDA), tiny model: decode ms p50 b1 4.00, "
-                                            "b8 5.00; keyed / plain vLLM tokens/s b1 0.981")
+    assert gpu_check.bench_detail(path) == (
+        "vllm engine (CUDA), tiny model: decode ms p50 b1 4.00, b8 5.00; keyed / plain vLLM "
+        "tokens/s b1 0.981")
 
 
 def test_junit_counts(gpu_check, tmp_path):

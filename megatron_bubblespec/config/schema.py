@@ -70,8 +70,8 @@ class RolloutConfig:
     max_num_batched_tokens: int = 8192   # vLLM chunked-prefill budget per engine step (GPU)
     sleep_during_train: bool = False     # vLLM sleep mode while Megatron trains and reshards (GPU)
     sleep_level: int = 1            # 1: KV cache freed, weights to host; 2: weights freed too
-    # vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1, GPU): a drafted position's logits do not
-    # depend on the batch, so drafts verified inside the engine keep bfloat16 tokens on == off
+    # vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1, GPU): a drafted position's logits do
+    # not depend on the batch, so drafts verified inside the engine keep bfloat16 tokens on == off
     batch_invariant: bool = False
 
 

@@ -78,8 +78,8 @@ def train_rank(cfg: Config, return_weights: bool = False) -> dict | None:
     # vLLM reads its log level when first imported (in build_replica): keep the console for the
     # progress display unless the user asked for vLLM's own logs.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    if cfg.rollout.batch_invariant:   # read when vLLM's kernels are imported (check_batch_invariance)
-        os.environ[BATCH_INVARIANT_ENV] = "1"
+    if cfg.rollout.batch_invariant:   # read when vLLM's kernels are imported
+        os.environ[BATCH_INVARIANT_ENV] = "1"     # (vllm_engine.check_batch_invariance)
     route_third_party_output(run_dir(cfg))
     out_dir = run_dir(cfg)
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))

@@ -59,10 +59,10 @@ def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | N
     drafting policy the reference engine needs for the ablation rules; ``keyed=False`` gives a vLLM
     engine on vLLM's own sampler (the benchmark's baseline, see ``VLLMEngine``); ``sleep_mode``
     lets a GPU vLLM engine free its memory while Megatron trains; ``measure_cost_at_rows`` has a
-    vLLM engine measure its proposal token cost at that many requests; ``batch_invariant`` gives a GPU
-    vLLM engine its batch-invariant kernels; ``kv_block_size`` sets vLLM's KV block (None: its
-    default). With ``tensor_parallel`` > 1 every rank of the engine's TP group
-    calls this at the same time (vLLM's external launcher)."""
+    vLLM engine measure its proposal token cost at that many requests; ``batch_invariant`` gives
+    a GPU vLLM engine its batch-invariant kernels; ``kv_block_size`` sets vLLM's KV block (None:
+    its default). With ``tensor_parallel`` > 1 every rank of the engine's TP group calls this at
+    the same time (vLLM's external launcher)."""
     import torch
 
     if kind == "reference":

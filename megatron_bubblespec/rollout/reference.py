@@ -21,7 +21,7 @@ from megatron_bubblespec.rollout.base import RolloutEngine
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult, settle_eos
 from megatron_bubblespec.rollout.torch_llama import TorchLlama
 from megatron_bubblespec.sampling import SamplingParams
-from megatron_bubblespec.spec.pool import Continuation, Siblings, has_sources
+from megatron_bubblespec.spec.pool import DEFAULT_SOURCES, Continuation, Siblings, has_sources
 from megatron_bubblespec.spec.verify import (target_probs, verify_keyed, verify_lenient,
                                              verify_residual)
 from megatron_bubblespec.tokens import pad_token_rows
@@ -57,7 +57,7 @@ class ReferenceEngine(RolloutEngine):
     def __init__(self, model_path: str | Path, *, dtype: torch.dtype = torch.float32,
                  max_model_len: int | None = None, speculative_continuation: bool = False,
                  spec_k: int = 4, spec_min_match: int = 2, spec_max_match: int = 8,
-                 proposal_sources: tuple[str, ...] = ("bubble",),
+                 proposal_sources: tuple[str, ...] = DEFAULT_SOURCES,
                  spec_token_cost: float | None = None, keep_previous_weights: bool = False):
         """``keep_previous_weights``: also hold the policy before the latest ``update_weights``
         (``previous_model``), the drafting policy that the residual and lenient rules need."""

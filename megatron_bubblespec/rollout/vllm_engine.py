@@ -55,7 +55,7 @@ from megatron_bubblespec.sampling.keyed_draw import keyed_sample_sparse
 from megatron_bubblespec.rollout.vllm_proposer import POOL_ARGS_KEY, PoolProposer, pool_extra_args
 from megatron_bubblespec.sampling import SamplingParams, hash_kernel
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult, settle_eos
-from megatron_bubblespec.spec.pool import has_sources
+from megatron_bubblespec.spec.pool import DEFAULT_SOURCES, has_sources
 
 EXTRA_ARGS_KEY = "bubblespec_keyed"
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
@@ -284,7 +284,7 @@ class VLLMEngine(RolloutEngine):
                  skip_tokenizer_init: bool | None = None, in_process: bool = True,
                  gpu_memory_utilization: float | None = None,
                  speculative_continuation: bool = False, spec_k: int = 4, spec_min_match: int = 2,
-                 spec_max_match: int = 8, proposal_sources: tuple[str, ...] = ("bubble",),
+                 spec_max_match: int = 8, proposal_sources: tuple[str, ...] = DEFAULT_SOURCES,
                  spec_token_cost: float | None = None, verify_drafts: bool = False,
                  reuse_draft_kv: bool = False, batch_invariant: bool = False,
                  **llm_kwargs: Any) -> None:

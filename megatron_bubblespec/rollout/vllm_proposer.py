@@ -24,13 +24,13 @@ import inspect
 from dataclasses import dataclass, field
 
 from megatron_bubblespec.sampling.requests import settle_eos
-from megatron_bubblespec.spec.pool import Continuation, Siblings
+from megatron_bubblespec.spec.pool import DEFAULT_SOURCES, Continuation, Siblings
 
 POOL_ARGS_KEY = "bubblespec_pool"
 
 
 def pool_extra_args(prompt_len: int, drafts: list[list[int]], k: int, min_match: int,
-                    max_match: int, sources: tuple[str, ...] = ("bubble",),
+                    max_match: int, sources: tuple[str, ...] = DEFAULT_SOURCES,
                     draft: list[int] = (), draft_k: int | None = None,
                     token_cost: float | None = None, history: list[list[int]] = (),
                     own_draft: int | None = None) -> dict:

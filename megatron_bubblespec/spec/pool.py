@@ -32,13 +32,15 @@ from megatron_bubblespec.config.schema import PROPOSAL_SOURCES as SOURCES
 STATIC = ("prompt", "bubble", "history")   # fixed when the prompt's index is built
 GROWING = ("self", "siblings")              # the samples' own texts, indexed as they grow
 DRAFTS = ("bubble", "realign")              # the prompt's bubble drafts: the others', one's own
+DEFAULT_SOURCES = DRAFTS                    # as spec.proposal_sources' schema default
 
 
 def has_sources(sources, drafts, history=()) -> bool:
     """Whether a sample with these ``drafts`` (and earlier responses) has anything to propose
     from (its prompt and the samples' texts always exist; drafts and responses when there are
     some)."""
-    return bool(set(sources) - {*DRAFTS, "history"}) or bool(drafts and set(DRAFTS) & set(sources)) \
+    sources = set(sources)
+    return bool(sources - {*DRAFTS, "history"}) or bool(drafts and sources & set(DRAFTS)) \
         or bool(history and "history" in sources)
 
 
@@ -50,8 +52,8 @@ class PromptIndex:
     step alike index alike and propose alike."""
 
     def __init__(self, prompt: Sequence[int], drafts: Sequence[Sequence[int]] = (),
-                 min_match: int = 2, max_match: int = 8, sources: Sequence[str] = ("bubble",),
-                 history: Sequence[Sequence[int]] = ()):
+                 min_match: int = 2, max_match: int = 8,
+                 sources: Sequence[str] = DEFAULT_SOURCES, history: Sequence[Sequence[int]] = ()):
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
         unknown = sorted(set(sources) - set(SOURCES))
@@ -148,9 +150,10 @@ class DraftPool:
     with the prompt's other samples in the engine (``siblings``)."""
 
     def __init__(self, prompt: Sequence[int], drafts: Sequence[Sequence[int]] = (),
-                 min_match: int = 2, max_match: int = 8, sources: Sequence[str] = ("bubble",),
-                 history: Sequence[Sequence[int]] = (), *, index: PromptIndex | None = None,
-                 member: str = "sample", own_draft: int | None = None):
+                 min_match: int = 2, max_match: int = 8,
+                 sources: Sequence[str] = DEFAULT_SOURCES, history: Sequence[Sequence[int]] = (),
+                 *, index: PromptIndex | None = None, member: str = "sample",
+                 own_draft: int | None = None):
         self.index = index or PromptIndex(prompt, drafts, min_match, max_match, sources, history)
         self.member = member
         self.prompt_len = len(prompt)

@@ -3,8 +3,9 @@ and its proposal sources.
 
 With continuation on, a sample whose draft was rejected keeps proposing tokens from its sources
 (spec.proposal_sources; the schema's default: the other drafts of its prompt, and its own draft
-re-aligned, each on a suffix match of at least spec.min_match tokens), so drafts keep saving decode steps past the first
-divergence; off, the engine decodes everything after the accepted prefix one token per step.
+re-aligned, each on a suffix match of at least spec.min_match tokens), so drafts keep saving
+decode steps past the first divergence; off, the engine decodes everything after the accepted
+prefix one token per step.
 `--sources` adds one continuation-on variant per source set (`+` joins sources: `self+siblings`;
 `all` is every source), each counted apart in the continuation columns. The history source
 proposes only when prompts recur within the run (data.size small enough; say so in the table).
