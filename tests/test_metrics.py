@@ -49,7 +49,8 @@ RANKS = [
      "spec/continuation_accepted_tokens": 9,
      "sync/reshard_s": 1.0, "sync/reshard_bytes": 1000, "sync/logprob_abs_diff": 0.01,
      "train/loss": 0.5, "train/reward_mean": 0.25, "train/accuracy": 0.0, "train/kl": 0.01, "train/grad_norm": 1.0,
-     "train/lr": 1e-6, "policy/drift_kl": 0.002, "exact/weight_version": 3},
+     "train/lr": 1e-6, "policy/drift_kl": 0.002, "exact/weight_version": 3,
+     "spec/proposal_token_cost": 0.2},
     {"rollout/time_s": 12.0, "rollout/decode_steps": 120, "rollout/decode_steps_plain": 200,
      "rollout/tokens": 210, "rollout/max_response_len": 64,
      "bubble/idle_s": 0.0, "bubble/drafting_s": 0.0, "bubble/overshoot_s": 0.0,
@@ -61,7 +62,8 @@ RANKS = [
      "spec/continuation_accepted_tokens": 2,
      "sync/reshard_s": 1.2, "sync/reshard_bytes": 1000, "sync/logprob_abs_diff": 0.02,
      "train/loss": 0.7, "train/reward_mean": 0.75, "train/accuracy": 0.5, "train/kl": 0.03, "train/grad_norm": 1.0,
-     "train/lr": 1e-6, "policy/drift_kl": 0.004, "exact/weight_version": 3},
+     "train/lr": 1e-6, "policy/drift_kl": 0.004, "exact/weight_version": 3,
+     "spec/proposal_token_cost": 0.4},
     {"rollout/time_s": 9.0, "rollout/decode_steps": 90, "rollout/decode_steps_plain": 90,
      "rollout/tokens": 100, "rollout/max_response_len": 30,
      "bubble/idle_s": 3.0, "bubble/drafting_s": 3.0, "bubble/overshoot_s": 0.2,
@@ -146,6 +148,8 @@ def test_every_listed_metric_has_one_rule():
     listed = set(SUMMED) | set(MAXED) | set(MEANED) | set(DERIVED)
     assert len(listed) == len(SUMMED) + len(MAXED) + len(MEANED) + len(DERIVED)
     assert listed | {"spec/accepted_prefix_mean", "exact/weight_version"} <= set(rec)
+    # measured per engine at start-up (spec.measure_proposal_cost); an engine without one is left out
+    assert close(rec["spec/proposal_token_cost"], 0.3)
 
 
 def test_aggregate_without_drafts_reports_no_spec_ratios():
