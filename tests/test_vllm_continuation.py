@@ -602,8 +602,13 @@ def test_a_cost_measured_at_start_up_sets_the_widths_and_keeps_the_tokens(measur
     assert engine.proposal_sources == ALL_SOURCES   # restored after the measurement
     want = plain["T1"]
     pools = _pools("siblings", [r.token_ids for r in want], seed=5)
-    _assert_same(engine.generate(_requests("measured", prompts, keys, pools), PARAMS["T1"]),
-                 want, "measured cost")
+    requests = _requests("measured", prompts, keys, pools)
+    for request in requests:
+        request.own_draft = 0   # the "siblings" pools: the own draft first
+    got = engine.generate(requests, PARAMS["T1"])
+    _assert_same(got, want, "measured cost")
+    # the measurement proposed from the drafts only; the rollouts after it use every source
+    assert any(r.by_source.get("realign", (0, 0))[0] for r in got)
     with pytest.raises(ValueError, match="needs speculative_continuation=True"):
         plain_engine.measure_proposal_cost(4)
 

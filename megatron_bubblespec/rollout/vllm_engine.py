@@ -460,10 +460,9 @@ class VLLMEngine(RolloutEngine):
         tokens per request and all are accepted: cost = (median verify step / median plain step
         - 1) / proposed tokens per request and step. Prefill steps are left out; the two passes
         alternate ``repeats`` times, so a change of the machine's load hits both. Costs a few
-        seconds of engine time at start-up (13 s at 2 SmolLM2 rows, 2-core CPU, load 4); its tokens
-        are thrown away. Proposals never change a
-        token, so a measured cost changes how many engine steps a rollout takes, never what it
-        generates."""
+        seconds of engine time at start-up (13 s at 2 SmolLM2 rows, 2-core CPU, load 4); its
+        tokens are thrown away. Proposals never change a token, so a measured cost changes how
+        many engine steps a rollout takes, never what it generates."""
         if not self.speculative_continuation:
             raise ValueError("measure_proposal_cost needs speculative_continuation=True")
         if self._live:

@@ -50,6 +50,7 @@ class _Request:
     continuation: Continuation
     eos_token_ids: frozenset[int]
     prompt_len: int
+    siblings: Siblings    # the registry of its prompt's shared index
     pending: list[int] = field(default_factory=list)   # proposed for the step now running
     written: int = 0      # response tokens in the prompt's index (up to the first EOS)
     ended: bool = False   # an EOS was written
@@ -78,7 +79,8 @@ class PoolProposer:
         self.runner = _model_runner()
         self.requests: dict[str, _Request] = {}
         self.finished: dict[str, dict] = {}   # request id -> source -> (proposed, accepted)
-        self.siblings: Siblings | None = None   # the prompts' shared indexes (built on first use)
+        # the prompts' shared indexes, one registry per request settings (match lengths, sources)
+        self.siblings: dict[tuple, Siblings] = {}
 
     def load_model(self, *args, **kwargs) -> None:
         """Nothing to load (vLLM's CPU runner calls this for every proposer)."""
@@ -93,17 +95,19 @@ class PoolProposer:
         if not spec:
             return None
         prompt = cached.prompt_token_ids[:spec["prompt_len"]]   # vLLM's prompt holds the prefix too
-        if self.siblings is None:   # the engine's options: the same for all its requests
-            self.siblings = Siblings(spec["min_match"], spec["max_match"], spec["sources"])
-        pool = self.siblings.pool(request_id, prompt, spec["drafts"], spec.get("history", ()),
-                                  spec.get("own_draft"))
+        settings = (spec["min_match"], spec["max_match"], tuple(spec["sources"]))
+        if settings not in self.siblings:
+            self.siblings[settings] = Siblings(*settings)
+        siblings = self.siblings[settings]
+        pool = siblings.pool(request_id, prompt, spec["drafts"], spec.get("history", ()),
+                             spec.get("own_draft"))
         draft = spec.get("draft") or ()
         if not pool and not draft:
-            self.siblings.leave(request_id)
+            siblings.leave(request_id)
             return None
         state = _Request(Continuation(pool, spec["k"], draft, spec.get("draft_k"),
                                       token_cost=spec.get("token_cost")),
-                         frozenset(params.stop_token_ids or ()), len(prompt))
+                         frozenset(params.stop_token_ids or ()), len(prompt), siblings)
         self.requests[request_id] = state
         return state
 
@@ -149,7 +153,7 @@ class PoolProposer:
 
     def _leave(self, request_id: str) -> dict[str, tuple[int, int]]:
         state = self.requests.pop(request_id)
-        self.siblings.leave(request_id)
+        state.siblings.leave(request_id)
         return state.continuation.by_source()
 
     def pop_counts(self, request_ids) -> dict[str, dict[str, tuple[int, int]]]:
