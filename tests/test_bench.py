@@ -133,6 +133,12 @@ def test_resume_keeps_the_finished_runs_and_only_those(result):
     # BubbleSpec off reads no spec key but spec.enabled: its run serves other spec settings
     assert finished_run(run("on", "spec.draft_horizon=2")) is None
     assert finished_run(run("off", "spec.draft_horizon=2")) is not None
+    # nor the KV block, which only the reuse of drafts' KV depends on
+    assert finished_run(run("on", "rollout.kv_block_size=32")) is None
+    assert finished_run(run("off", "rollout.kv_block_size=32")) is not None
+    # no run depends on how often it checkpoints or what it logs
+    for mode in ("on", "off"):
+        assert finished_run(run(mode, "run.checkpoint_every=1", "logging.plot=false")) is not None
 
 
 def test_token_mismatch_counts_positions_lengths_and_missing_samples():

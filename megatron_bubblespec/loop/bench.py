@@ -10,7 +10,7 @@ checkpoint, each DP rank's batch timed in turn and the slowest taken per step; w
 directory ``<run.name>-plain``; ``plain=False`` / ``--no-plain`` skips it) and compares.
 ``resume=True`` / ``--resume`` keeps each of the three runs that already finished under ``out_dir``
 with the same resolved config (:func:`finished_run`; the off run and its replay also serve other
-``spec`` settings, which BubbleSpec off does not read) and runs only the missing ones, so a bench
+``spec`` settings and KV blocks, which BubbleSpec off does not read) and runs only the missing ones, so a bench
 stopped during its last run does not redo the first two, and a study of spec settings reruns only
 the on run; ``machine.reused`` names the kept runs.
 The comparison:
@@ -375,21 +375,41 @@ def markdown(result: Mapping[str, object]) -> str:
     ])
 
 
+# Keys no run's tokens, counts or rollout work depend on: where and how often it checkpoints,
+# its watchdogs and what it logs.
+OBSERVER_KEYS = {"run": ("resume", "checkpoint_every", "checkpoint_dir", "keep_checkpoints",
+                         "stall_timeout_s", "signal_grace_s", "checkpoint_grace_s"),
+                 "logging": ("tensorboard", "progress", "plot")}
+# Keys a run with BubbleSpec off does not depend on either: the KV block is the unit of reuse of
+# drafts' KV (spec.reuse_draft_kv); without drafts it changes neither a token nor an engine step
+# (the same off run served benches at blocks of 128 and 32 with 0 mismatched tokens).
+OFF_RUN_KEYS = {"rollout": ("kv_block_size",)}
+
+
 def _as_run(cfg) -> str:
-    """The config as the run reads it: a run with BubbleSpec off reads nothing of ``spec`` but
-    ``spec.enabled`` (every other key is gated on it), so its other keys do not matter."""
+    """The config as the run reads it, in YAML: the keys that cannot change its records set to
+    their defaults. A run with BubbleSpec off reads nothing of ``spec`` but ``spec.enabled``
+    (every other key is gated on it) and no key of ``OFF_RUN_KEYS``; no run depends on
+    ``OBSERVER_KEYS``."""
     from megatron_bubblespec.config.load import to_yaml
     from megatron_bubblespec.config.schema import SpecConfig
 
+    neutral = dict(OBSERVER_KEYS)
     if not cfg.spec.enabled:
         cfg = dataclasses.replace(cfg, spec=SpecConfig(enabled=False))
+        neutral.update(OFF_RUN_KEYS)
+    for room, keys in neutral.items():
+        section = getattr(cfg, room)
+        defaults = type(section)()
+        cfg = dataclasses.replace(cfg, **{room: dataclasses.replace(
+            section, **{key: getattr(defaults, key) for key in keys})})
     return to_yaml(cfg)
 
 
 def finished_run(run_cfg, steps: int | None = None) -> dict | None:
     """The records and rollouts of the run ``run_cfg`` names if it finished all ``steps`` (default
-    ``run_cfg.run.steps``) with this config (its ``config.yaml``; for a run with BubbleSpec off,
-    up to the ``spec`` keys it does not read, so an off run serves benches of any spec settings);
+    ``run_cfg.run.steps``) with this config (its ``config.yaml``, up to the keys :func:`_as_run`
+    leaves out: an off run serves benches of any spec settings and KV block);
     else None. A plain replay directory has no config of its own: pass the off run's config and
     its run name."""
     from megatron_bubblespec.config import ConfigError, load_config
