@@ -14,7 +14,9 @@ from megatron_bubblespec.config import load_config
 from megatron_bubblespec.loop.bench import (RANGED, add_bench_parser, bench, compare, compare_steps,
                                             finished_run, markdown_summary,
                                             steady_state_first_step, token_mismatch)
-from megatron_bubblespec.loop.plain_replay import load_run
+from megatron_bubblespec.data.lookahead import LookaheadSampler
+from megatron_bubblespec.loop.layout import RolloutLayout
+from megatron_bubblespec.loop.plain_replay import check_replayable, load_run, step_requests
 from megatron_bubblespec.metrics.rollouts import read_rollouts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -208,6 +210,31 @@ def test_plain_replay_refuses_a_directory_that_is_not_a_finished_run(tmp_path):
     (tmp_path / "config.yaml").write_text("run:\n  name: x\n")
     with pytest.raises(ValueError, match="no rollouts.*--no-plain"):
         load_run(tmp_path)
+
+
+@pytest.mark.parametrize("layout", [["parallel.pipeline=2"], ["parallel.tensor=2"],
+                                    ["parallel.tensor=2", "rollout.tensor_parallel=2"]])
+def test_the_plain_replay_times_each_rollout_engines_share(layout):
+    """PP 2 x DP 2 and TP 2 x DP 2 at rollout TP 1 have 4 engines, TP 2 at rollout TP 2 has 2:
+    the replay times each engine's batch, dealt from its replica's samples as the run deals them."""
+    cfg = load_config(TINY, ["parallel.world_size=4", "parallel.data=2", "run.steps=1", *layout])
+    batch = LookaheadSampler(cfg.run.seed, 10**6, cfg.rollout.prompts_per_step, 2,
+                             cfg.rollout.samples_per_prompt).batch(0)
+    lengths = {g: 1 + g % 5 for g in range(batch.num_samples)}
+    model = argparse.Namespace(vocab_size=cfg.model.tiny_vocab_size)
+    if cfg.rollout.tensor_parallel > 1:
+        with pytest.raises(ValueError, match="rollout.tensor_parallel=1"):
+            check_replayable(cfg)
+    engines = step_requests(cfg, model, [{g: [7] * n for g, n in lengths.items()}])[0]
+    per_replica = 4 // cfg.rollout.tensor_parallel // 2
+    assert len(engines) == 2 * per_replica
+    for dp in range(2):
+        deal = RolloutLayout(0, (0, 1), cfg.rollout.tensor_parallel, dp, 2)
+        for e in range(per_replica):
+            requests = engines[dp * per_replica + e]
+            samples = [int(r.request_id.rsplit("-", 1)[1]) for r in requests]
+            assert samples == deal.share(list(batch.rank_sample_range(dp)), e) and samples
+            assert [r.max_new_tokens for r in requests] == [lengths[g] for g in samples]
 
 
 def test_bench_parser_wiring():

@@ -12,27 +12,28 @@ replays the BubbleSpec-off run of a bench:
   min-tokens processor (EOS masked at every step), a cost plain vLLM does not pay;
 * the initial checkpoint for every step: the run's per-step weights change which tokens are drawn,
   not how many a step generates nor what a token costs, so they are not needed;
-* the run's timing model: in the run each DP rank's samples are one batch on that rank's own
-  engine and the step waits for the slowest rank. Here ONE engine (one process, started like a
-  locally launched training rank: ``build_engine`` with the run's options, OMP_NUM_THREADS=1)
-  takes each rank's batch in turn, from an empty prefix cache (the run resets it after every
-  weight update, and each rank's engine sees only its own prompts), timed as ``rollout/time_s``
-  is (``engine.generate`` of the batch); a step's plain rollout time is the maximum over its
-  ranks' batches. The batches run alone, without the other ranks' concurrent work on the machine
-  (their rollouts, bubble drafting): if anything, plain vLLM looks a little faster here than it
-  would be in the run. Step 0's first batch also pays the engine's warm-up; the bench compares
-  steps >= 1.
+* the run's timing model: in the run each rollout engine's share of its replica's samples
+  (``loop.layout``: a DP rank's samples round-robin over its replica's engines; one engine per DP
+  rank in a DP-only run) is one batch and the step waits for the slowest engine. Here ONE engine
+  (one process, started like a locally launched training rank: ``build_engine`` with the run's
+  options, OMP_NUM_THREADS=1) takes each engine's batch in turn, from an empty prefix cache (the
+  run resets it after every weight update, and each engine sees only its own prompts), timed as
+  ``rollout/time_s`` is (``engine.generate`` of the batch); a step's plain rollout time is the
+  maximum over its engines' batches. The batches run alone, without the other engines' concurrent
+  work on the machine (their rollouts, bubble drafting): if anything, plain vLLM looks a little
+  faster here than it would be in the run. Step 0's first batch also pays the engine's warm-up;
+  the bench compares steps >= 1.
 
 The engine is ``rollout.factory.build_engine`` with the run's options and ``keyed=False``: no keyed
 logits processor, vLLM's own sampler draws every token (seeded by ``run.seed``), and the rest of
 the rollout path is the run's (``VLLMEngine.generate``, prefix caching, the sampled token's raw
-logprob), so plain vs off isolates the keyed draw. Rollout tensor parallelism is not replayed (one
-engine per DP rank's share, ``rollout.tensor_parallel=1``).
+logprob), so plain vs off isolates the keyed draw. Rollout tensor parallelism is not replayed
+(``rollout.tensor_parallel=1`` only: an engine of one rank per share).
 
 Output: one step record per step (``rollout/time_s``, ``rollout/tokens``, ``rollout/engine_steps``,
 ``rollout/decode_steps``, and per rank ``rank<r>/rollout/time_s``), plus the tokens plain vLLM drew;
 ``replay_plain(run_dir, out_dir)`` also stores both as a run directory (metrics.jsonl,
-rollouts.jsonl).
+rollouts.jsonl). ``rank<e>`` is the engine's global index, as in the run's per-engine metrics.
 """
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def load_run(run_dir: str | Path):
 def check_replayable(cfg) -> None:
     """ValueError when the plain replay cannot reproduce the run's rollout layout."""
     if cfg.rollout.tensor_parallel != 1:
-        raise ValueError(f"the plain vLLM replay runs one engine per DP rank's share, but "
+        raise ValueError(f"the plain vLLM replay runs each engine's share on one rank, but "
                          f"rollout.tensor_parallel={cfg.rollout.tensor_parallel}; bench with "
                          "rollout.tensor_parallel=1 or skip the replay (--no-plain)")
 
@@ -143,10 +144,11 @@ def initial_checkpoint(cfg) -> Path:
 
 
 def step_requests(cfg, spec, rollouts) -> list[list[list]]:
-    """``[step][dp rank]`` -> that rank's samples as requests, from the run's task and lookahead
-    sampler (prompt, sample key), each asking for exactly the run's response length: budget =
-    that length, no EOS ids (with vLLM's ``ignore_eos`` nothing else ends a request); ValueError
-    when the run lacks a sample."""
+    """``[step][engine]`` -> that rollout engine's samples as requests (engines in global order,
+    each DP rank's samples round-robin over its replica's engines as ``RolloutLayout.share``
+    deals them), from the run's task and lookahead sampler (prompt, sample key), each asking for
+    exactly the run's response length: budget = that length, no EOS ids (with vLLM's
+    ``ignore_eos`` nothing else ends a request); ValueError when the run lacks a sample."""
     from megatron_bubblespec.data.lookahead import LookaheadSampler
     from megatron_bubblespec.loop.replica import build_task
     from megatron_bubblespec.sampling import sample_key
@@ -163,6 +165,8 @@ def step_requests(cfg, spec, rollouts) -> list[list[list]]:
                               sample_key(cfg.run.seed, step, prompt.uid, slot.sample_index),
                               length)
 
+    p = cfg.parallel
+    engines = p.tensor * p.pipeline * p.context // cfg.rollout.tensor_parallel   # per replica
     steps = []
     for step, responses in enumerate(rollouts):
         batch = sampler.batch(step)
@@ -173,7 +177,8 @@ def step_requests(cfg, spec, rollouts) -> list[list[list]]:
                              f"responses {empty[:8]} of its {batch.num_samples} in rollouts.jsonl: "
                              "the file does not belong to this config or was cut; rerun the run")
         steps.append([[request(step, batch, g, len(responses[g]))
-                       for g in batch.rank_sample_range(rank)] for rank in range(batch.dp_size)])
+                       for g in list(batch.rank_sample_range(rank))[e::engines]]
+                      for rank in range(batch.dp_size) for e in range(engines)])
     return steps
 
 
@@ -190,7 +195,7 @@ def build_plain_engine(cfg, path: Path):
 
 
 def run_batch(engine, requests, params) -> tuple[float, int, dict[int, list[int]]]:
-    """One rank's batch, timed as the run times its rollout (``engine.generate``) from an empty
+    """One engine's batch, timed as the run times its rollout (``engine.generate``) from an empty
     prefix cache: (seconds, engine steps, tokens per global sample index). RuntimeError when a
     sample's length differs from the one asked for (the replay would time other work)."""
     if not engine.llm.reset_prefix_cache():
@@ -210,9 +215,9 @@ def run_batch(engine, requests, params) -> tuple[float, int, dict[int, list[int]
 
 def step_record(step: int, times: list[float], engine_steps: list[int],
                 drawn: list[dict[int, list[int]]]) -> dict:
-    """One step's record: the slowest rank's time and engine steps, token totals, rank times."""
+    """One step's record: the slowest engine's time and engine steps, token totals, engine times."""
     lengths = [len(t) for part in drawn for t in part.values()]
     return {"step": step, "rollout/time_s": max(times), "rollout/engine_steps": max(engine_steps),
             "rollout/tokens": sum(lengths),
             "rollout/decode_steps": decode_steps_plain(lengths),
-            **{f"rank{rank}/rollout/time_s": t for rank, t in enumerate(times)}}
+            **{f"rank{engine}/rollout/time_s": t for engine, t in enumerate(times)}}
