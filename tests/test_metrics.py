@@ -379,6 +379,9 @@ def test_machine_info_names_the_cpus_and_the_stack():
 def test_engine_steps_and_continuation_counts():
     rec = aggregate_step(0, RANKS)
     assert rec["rollout/engine_steps"] == 64 and rec["rollout/engine_steps_sum"] == 134
+    # the step waits for the drafting engine that ran longest past the barrier
+    assert rec["bubble/overshoot_wall_s"] == pytest.approx(0.2)
+    assert rec["bubble/overshoot_s"] == pytest.approx(0.3)
     assert [rec[f"rank{r}/rollout/engine_steps"] for r in range(3)] == [40, 64, 30]
     assert rec["spec/continuation_proposed_tokens"] == 20
     assert rec["spec/continuation_accept_rate"] == pytest.approx(11 / 20)

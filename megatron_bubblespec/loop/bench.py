@@ -28,15 +28,18 @@ The comparison:
   slowest rank's: what its wall time follows, several tokens per request in a continuation step);
   ``rollout_time_ratio`` = on rollout time / off rollout time;
   ``throughput_ratio`` = off rollout time / on rollout time;
-  ``throughput_ratio_with_verify`` = off rollout time / (on rollout time + on verify time), since
-  verifying the drafts is part of what the on run pays;
-  ``throughput_vs_plain`` = plain rollout time / (on rollout time + on verify time): BubbleSpec
-  against the rollout users run today (DESIGN.md, "What faster means");
+  ``throughput_ratio_with_verify`` = off rollout time / (on rollout time + on verify time + on
+  overshoot time), since verifying the drafts is part of what the on run pays, and so is the
+  overshoot (``bubble/overshoot_wall_s``: a drafting engine finishes the engine step it is in
+  when the barrier closes, and the step waits for it);
+  ``throughput_vs_plain`` = plain rollout time / (on rollout time + on verify time + on overshoot
+  time): BubbleSpec against the rollout users run today (DESIGN.md, "What faster means");
   ``throughput_off_vs_plain`` = plain rollout time / off rollout time (below 1: what the keyed
   draw itself costs);
-  ``verify_overhead_frac`` = on verify time / on rollout time;
+  ``verify_overhead_frac`` = on verify time / on rollout time; ``overshoot_frac`` = on overshoot
+  time / on rollout time;
   the sums behind them: ``decode_steps_on`` / ``_off``, ``engine_steps_on`` / ``_off``,
-  ``rollout_time_on_s`` / ``_off_s`` / ``_plain_s``, ``verify_time_on_s``;
+  ``rollout_time_on_s`` / ``_off_s`` / ``_plain_s``, ``verify_time_on_s``, ``overshoot_time_on_s``;
 * drafts, over the same range (step 0 has none): ``accepted_prefix_mean`` (weighted by drafted
   samples), ``accept_rate`` (accepted / drafted tokens), ``drafted_tokens``, ``accepted_tokens``,
   ``draft_len_mean`` (drafted tokens / drafted samples), ``draft_coverage`` (drafted tokens / on
@@ -99,15 +102,18 @@ SUMMARY_ROWS = (
     ("engine steps on / off", "engine_steps_ratio", number),
     ("rollout time on / off", "rollout_time_ratio", number),
     ("throughput on vs off (off time / on time)", "throughput_ratio", number),
-    ("throughput with verify (off / (on + verify))", "throughput_ratio_with_verify", number),
-    ("throughput vs plain vLLM (plain / (on + verify))", "throughput_vs_plain", number),
+    ("throughput with verify (off / (on + verify + overshoot))", "throughput_ratio_with_verify",
+     number),
+    ("throughput vs plain vLLM (plain / (on + verify + overshoot))", "throughput_vs_plain", number),
     ("throughput off vs plain vLLM (plain / off: the keyed draw)", "throughput_off_vs_plain",
      number),
     ("verify time / on rollout time", "verify_overhead_frac", percent),
+    ("overshoot time / on rollout time", "overshoot_frac", percent),
     ("rollout time on", "rollout_time_on_s", seconds),
     ("rollout time off", "rollout_time_off_s", seconds),
     ("rollout time plain vLLM", "rollout_time_plain_s", seconds),
     ("verify time on", "verify_time_on_s", seconds),
+    ("overshoot time on (drafting past the barrier)", "overshoot_time_on_s", seconds),
     ("decode steps on", "decode_steps_on", count),
     ("decode steps off", "decode_steps_off", count),
     ("engine steps on", "engine_steps_on", count),
@@ -201,7 +207,8 @@ def compare_steps(on: Sequence[Record], off: Sequence[Record], plain: Sequence[R
     t_on, t_off = total_of(on, "rollout/time_s"), total_of(off, "rollout/time_s")
     t_plain = total_of(plain, "rollout/time_s")
     verify = total_of(on, "spec/verify_s")
-    paid = t_on + (0.0 if math.isnan(verify) else verify)
+    overshoot = total_of(on, "bubble/overshoot_wall_s")
+    paid = t_on + sum(0.0 if math.isnan(t) else t for t in (verify, overshoot))
     drafted, samples = total_of(on, "spec/drafted_tokens"), total_of(on, "spec/drafted_samples")
     accepted, tokens_on = total_of(on, "spec/accepted_tokens"), total_of(on, "rollout/tokens")
     proposed = total_of(on, "spec/continuation_proposed_tokens")
@@ -221,12 +228,14 @@ def compare_steps(on: Sequence[Record], off: Sequence[Record], plain: Sequence[R
         "rollout_time_off_s": t_off,
         "rollout_time_plain_s": t_plain,
         "verify_time_on_s": verify,
+        "overshoot_time_on_s": overshoot,
         "rollout_time_ratio": ratio(t_on, t_off),
         "throughput_ratio": ratio(t_off, t_on),
         "throughput_ratio_with_verify": ratio(t_off, paid),
         "throughput_vs_plain": ratio(t_plain, paid),
         "throughput_off_vs_plain": ratio(t_plain, t_off),
         "verify_overhead_frac": ratio(verify, t_on),
+        "overshoot_frac": ratio(overshoot, t_on),
         "accepted_prefix_mean": weighted_mean_of(on, "spec/accepted_prefix_mean",
                                                "spec/drafted_samples"),
         "accept_rate": ratio(accepted, drafted),

@@ -68,6 +68,7 @@ DERIVED = (
     "spec/decode_steps_saved_frac",
     "rollout/engine_steps_sum",
     "rollout/engines",
+    "bubble/overshoot_wall_s",
 )
 # Also kept per rank, as "rank{r}/<key>".
 PER_RANK = ("bubble/idle_s", "bubble/drafting_s", "bubble/overshoot_s", "bubble/draftable_s",
@@ -125,6 +126,8 @@ def aggregate_step(step: int, rank_metrics: Sequence[Mapping[str, float | None]]
     * spec/decode_steps_saved_frac = 1 - sum decode_steps / sum decode_steps_plain, where
       decode_steps_plain is :func:`decode_steps_plain` of the step's responses;
     * rollout/engines = the number of engines that reported (n);
+    * bubble/overshoot_wall_s = the largest overshoot of a rank: how long the drafting engines'
+      last engine steps held the step past the barrier's close (they run in parallel);
     * per rank r: rank{r}/bubble/{idle_s, drafting_s, overshoot_s, engine_steps, new_tokens,
       prefill_tokens}, rank{r}/rollout/{engine_steps,
       time_s} and rank{r}/spec/drafted_tokens as reported,
@@ -180,6 +183,8 @@ def aggregate_step(step: int, rank_metrics: Sequence[Mapping[str, float | None]]
         record["bubble/utilization"] = ratio(record["bubble/drafting_s"], usable)
     if values := reported("rollout/engine_steps"):
         record["rollout/engine_steps_sum"] = sum(values)
+    if values := reported("bubble/overshoot_s"):
+        record["bubble/overshoot_wall_s"] = max(values)
     if "spec/continuation_proposed_tokens" in record and \
             "spec/continuation_accepted_tokens" in record:
         record["spec/continuation_accept_rate"] = ratio(
