@@ -1,6 +1,7 @@
 """The DP barrier with bubble drafting over real gloo ranks and the real store: drafting happens only
 inside the bubble, samples are claimed once, partial drafts come back, a missing rank times out."""
 
+import datetime
 import time
 
 import pytest
@@ -121,3 +122,69 @@ def test_a_drafting_rank_keeps_its_full_batch_in_flight(tiny):
     assert all(d.tokens[:2] == (13, 17) for d in drafts)
     assert stats.new_tokens == stats.drafted_tokens - 2 * len(drafts)
     assert stats.prefill_tokens == (3 + 2) * stats.claimed_samples
+
+
+class _OtherEngineArrivesAfter:
+    """The real reference engine, recording how many requests each engine step took on; after
+    ``steps`` engine steps the step's other engine arrives at the barrier (in the one store), last,
+    and closes it."""
+
+    def __init__(self, engine, store, step, steps):
+        self.engine, self.store, self.step_, self.steps = engine, store, step, steps
+        self.added, self.per_step = 0, []
+
+    def add(self, requests, params):
+        requests = list(requests)
+        self.added += len(requests)
+        self.engine.add(requests, params)
+
+    def step(self):
+        self.per_step.append(self.added)
+        self.added = 0
+        if len(self.per_step) == self.steps:
+            self.store.add(f"bubblespec/arrive/{self.step_}", 1)
+            self.store.set(f"bubblespec/closed/{self.step_}", repr(time.time()))
+        return self.engine.step()
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def _paced_bubble(path, budget, step, prefix_len, arrive_after, computed=None):
+    store = dist.HashStore()
+    store.set_timeout(datetime.timedelta(seconds=10))
+    drafter = BubbleDrafter(store, 2, None, SamplingParams(1.0), chunk=1, in_flight=12,
+                            prefill_budget=budget)
+    drafter.computed = dict(computed or {})
+    drafter.engine = _OtherEngineArrivesAfter(ReferenceEngine(path), store, step, arrive_after)
+
+    def next_request(sample):
+        request = _next_request(sample)
+        request.response_prefix = [13] * prefix_len
+        return request
+
+    samples = [(step + 1, i) for i in range(12)]
+    drafts, stats = drafter.arrive_and_draft(step, samples, next_request, weight_version=step)
+    return drafter, drafts, stats
+
+
+def test_a_prefill_budget_fills_the_drafting_batch_over_short_engine_steps(tiny):
+    """spec.draft_prefill_tokens: each engine step of the bubble takes new requests only up to
+    the budget (prompt + earlier draft, 3 + 20 tokens each here: 3 per step at 50), so the step
+    in flight when the barrier closes is short; without a budget all 12 go into the first step.
+    What this engine drafted itself counts as computed: extending it costs (almost) nothing."""
+    _, _, unpaced = _paced_bubble(tiny, 0, 7, 20, 6)
+    drafter, drafts, paced = _paced_bubble(tiny, 50, 7, 20, 6)
+    assert drafter.engine.per_step == [3, 3, 3, 3, 0, 0]
+    assert paced.claimed_samples == unpaced.claimed_samples == 12
+    assert paced.prefill_tokens == unpaced.prefill_tokens == 12 * 23
+    assert len(drafts) == 12 and paced.engine_steps == 6
+    # the next bubble (step 8) extends these drafts: it ran prompt + draft of each already
+    computed = drafter.computed
+    assert sorted(computed) == [(8, i) for i in range(12)]
+    assert all(computed[(8, d.sample_index)] == 3 + len(d.tokens) for d in drafts)
+    again, _, _ = _paced_bubble(tiny, 50, 7, 20, 3, computed)
+    assert again.engine.per_step[0] == 12   # estimated prefill: 0 tokens each
+    later, _, _ = _paced_bubble(tiny, 50, 8, 20, 3, computed)
+    assert later.engine.per_step[0] == 3    # other samples: nothing computed for them
+    assert {s for s, _ in later.computed} == {9}   # step 8's samples are due now: forgotten

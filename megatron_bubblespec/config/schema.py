@@ -84,6 +84,10 @@ class SpecConfig:
     max_draft_tokens: int = 64      # per sample
     draft_chunk: int = 2            # samples claimed from the shared cursor at a time
     draft_in_flight: int = 32       # next-step samples a drafting rank keeps in its engine at once
+    # new drafting requests an engine step of the bubble may take, in estimated prefill tokens (0:
+    # no bound, the batch is claimed at once); bounds the engine step in flight when the barrier
+    # closes, which the step waits for (spec.bubble)
+    draft_prefill_tokens: int = 0
     speculative_continuation: bool = True
     # what a decoding sample proposes from (spec.pool): its prompt's other samples' bubble drafts
     # (bubble), its own draft after the response left it (realign), the prompt's text, the
@@ -190,6 +194,7 @@ BOUNDS = {
     "spec.max_draft_tokens": (lambda v: v >= 0, ">= 0"),
     "spec.draft_chunk": (lambda v: v >= 1, ">= 1"),
     "spec.draft_in_flight": (lambda v: v >= 1, ">= 1"),
+    "spec.draft_prefill_tokens": (lambda v: v >= 0, ">= 0 (0 = no bound)"),
     "spec.spec_k": (lambda v: v >= 1, ">= 1"),
     "spec.min_match": (lambda v: v >= 1, ">= 1"),
     "train.lr": (lambda v: v >= 0, ">= 0"),

@@ -180,6 +180,7 @@ def build_replica(cfg: Config) -> Replica:
             engine = LockstepEngine(engine_shard, engine_cpu_group())
         drafter = BubbleDrafter(default_store(), layout.num_engines, engine, params,
                                 chunk=cfg.spec.draft_chunk, in_flight=cfg.spec.draft_in_flight,
+                                prefill_budget=cfg.spec.draft_prefill_tokens,
                                 timeout_s=cfg.spec.barrier_timeout_s,
                                 namespace=f"bubblespec/{cfg.run.name}")
     verifier = build_verifier(cfg, params, model=model, spec=spec, engine=engine)

@@ -8,6 +8,16 @@ batch: an engine step costs nearly the same for 1 or 32 rows, so drafted tokens 
 grow with the batch), refilling from the cursor as drafts finish; it stops within one engine step
 of the barrier's close whatever the batch.
 
+That one engine step is the overshoot the step waits for, and a step that prefills the claimed
+requests (prompt + earlier draft: 1,500-2,700 tokens for 12 samples of the main job) is the
+longest there is: on a CPU it ran 1-2.5 s past the barrier in bubbles shorter than itself.
+``prefill_budget`` (``spec.draft_prefill_tokens``) paces the claims instead: each engine step
+takes new requests only until their estimated prefill reaches the budget (at least one chunk when
+there is room), so the batch fills over a few short steps while the first drafts already decode.
+The estimate is prompt + prefix, less the tokens this engine itself computed for the sample in an
+earlier bubble (their KV is likely still cached: ``spec.reuse_draft_kv``). Pacing changes which
+tokens the drafts hold when the barrier closes, never a rollout token (drafts are proposals).
+
 The counter and the cursor live in the torch.distributed store, which works for gloo and NCCL
 alike and costs one round trip per check. Fast engines arrive first and claim more chunks; no
 sample is claimed twice. When the last engine arrives it stamps the closing time, so each drafting
@@ -18,6 +28,7 @@ a message naming the step and how many engines had arrived, never a silent hang.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -49,11 +60,13 @@ class BubbleDrafter:
     """Arrive, draft while others are still generating, return the partial drafts."""
 
     def __init__(self, store, num_engines: int, engine: RolloutEngine, params: SamplingParams, *,
-                 chunk: int = 2, in_flight: int = 32, timeout_s: float = 600.0,
-                 poll_s: float = 0.002, namespace: str = "bubblespec"):
+                 chunk: int = 2, in_flight: int = 32, prefill_budget: int = 0,
+                 timeout_s: float = 600.0, poll_s: float = 0.002, namespace: str = "bubblespec"):
         self.store, self.num_engines, self.engine, self.params = store, num_engines, engine, params
         self.chunk, self.in_flight = chunk, max(in_flight, chunk)
+        self.prefill_budget = prefill_budget or math.inf   # tokens per engine step; 0: no bound
         self.timeout_s, self.poll_s, self.namespace = timeout_s, poll_s, namespace
+        self.computed: dict[Sample, int] = {}   # prompt + draft tokens this engine ran, per sample
 
     def _key(self, what: str, step: int) -> str:
         return f"{self.namespace}/{what}/{step}"
@@ -75,8 +88,9 @@ class BubbleDrafter:
             self.store.set(closed, repr(time.time()))
             stats.last_to_arrive = True
             return drafts, stats
-        pending: dict[str, tuple[Sample, int, int]] = {}  # request id -> (sample, key, prefix)
+        pending: dict[str, tuple[Sample, int, int, int]] = {}  # id -> (sample, key, prefix, prompt)
         exhausted = next_request is None or not samples
+        self.computed = {s: n for s, n in self.computed.items() if s[0] > step}
         while self.store.add(arrive, 0) < self.num_engines:
             if time.perf_counter() - arrived_at > self.timeout_s:
                 raise TimeoutError(
@@ -84,7 +98,9 @@ class BubbleDrafter:
                     f"engines reached the barrier within {self.timeout_s:.0f} s; a rank died or "
                     "hangs (see its log); raise spec.barrier_timeout_s if steps are legitimately "
                     "slower")
-            while not exhausted and len(pending) < self.in_flight:
+            claimed_tokens = 0
+            while (not exhausted and len(pending) < self.in_flight
+                   and claimed_tokens < self.prefill_budget):
                 end = self.store.add(cursor, self.chunk)
                 start = end - self.chunk
                 if start >= len(samples):
@@ -93,9 +109,12 @@ class BubbleDrafter:
                 chunk = samples[start:end]
                 claimed = [next_request(sample) for sample in chunk]
                 stats.claimed_samples += len(claimed)
-                stats.prefill_tokens += sum(len(r.prompt_token_ids) + len(r.response_prefix)
-                                            for r in claimed)
-                pending.update({r.request_id: (sample, r.key, len(r.response_prefix))
+                tokens = [len(r.prompt_token_ids) + len(r.response_prefix) for r in claimed]
+                stats.prefill_tokens += sum(tokens)
+                claimed_tokens += sum(max(n - self.computed.get(sample, 0), 0)
+                                      for n, sample in zip(tokens, chunk))
+                pending.update({r.request_id: (sample, r.key, len(r.response_prefix),
+                                               len(r.prompt_token_ids))
                                 for r, sample in zip(claimed, chunk)})
                 self.engine.add(claimed, self.params)
             if not self.engine.has_unfinished():
@@ -116,14 +135,15 @@ class BubbleDrafter:
         stats.drafted_tokens = sum(len(d.tokens) for d in drafts)
         return [d for d in drafts if d.tokens], stats
 
-    @staticmethod
-    def _collect(results: list[RolloutResult], pending: dict[str, tuple[Sample, int, int]],
-                 weight_version: int, stats: BubbleStats) -> list[Draft]:
+    def _collect(self, results: list[RolloutResult],
+                 pending: dict[str, tuple[Sample, int, int, int]], weight_version: int,
+                 stats: BubbleStats) -> list[Draft]:
         out = []
         for r in results:
             claimed = pending.pop(r.request_id, None)
             if claimed is not None:
-                (step, index), key, prefix = claimed
+                (step, index), key, prefix, prompt = claimed
                 stats.new_tokens += max(len(r.token_ids) - prefix, 0)
+                self.computed[(step, index)] = prompt + len(r.token_ids)
                 out.append(Draft(step, index, key, weight_version, tuple(r.token_ids)))
         return out
