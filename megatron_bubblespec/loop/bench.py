@@ -10,9 +10,9 @@ checkpoint, each DP rank's batch timed in turn and the slowest taken per step; w
 directory ``<run.name>-plain``; ``plain=False`` / ``--no-plain`` skips it) and compares.
 ``resume=True`` / ``--resume`` keeps each of the three runs that already finished under ``out_dir``
 with the same resolved config (:func:`finished_run`; the off run and its replay also serve other
-``spec`` settings and KV blocks, which BubbleSpec off does not read) and runs only the missing ones, so a bench
-stopped during its last run does not redo the first two, and a study of spec settings reruns only
-the on run; ``machine.reused`` names the kept runs.
+``spec`` settings and KV blocks, which BubbleSpec off does not read) and runs only the missing
+ones, so a bench stopped during its last run does not redo the first two, and a study of spec
+settings reruns only the on run; ``machine.reused`` names the kept runs.
 The comparison:
 
 * cost, over a step range: once over the steps >= 1 (the first step has no drafts to verify; the

@@ -10,7 +10,7 @@ of the barrier's close whatever the batch.
 
 That one engine step is the overshoot the step waits for, and a step that prefills the claimed
 requests (prompt + earlier draft: 1,500-2,700 tokens for 12 samples of the main job) is the
-longest there is: on a CPU it ran 1-2.5 s past the barrier in bubbles shorter than itself.
+longest there is: on a CPU it ran 0.2-2.5 s past the barrier in bubbles shorter than itself.
 ``prefill_budget`` (``spec.draft_prefill_tokens``) paces the claims instead: each engine step
 takes new requests only until their estimated prefill reaches the budget (at least one chunk when
 there is room), so the batch fills over a few short steps while the first drafts already decode.
