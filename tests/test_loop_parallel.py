@@ -32,14 +32,18 @@ STEPS = 3   # step 0 has nothing to verify; steps 1 and 2 verify drafts made in 
 LAYOUTS = {   # name -> (overrides, engines); every layout runs 4 ranks
     # the running partial drafts claimed first (spec.draft_order)
     "pp2": (("parallel.pipeline=2", "parallel.data=2", "spec.draft_order=stragglers"), 4),
-    # with each engine verifying its share's drafts inside its rollout
-    "tp2": (("parallel.tensor=2", "parallel.data=2", "spec.verifier=engine"), 4),
+    # with each engine verifying its share's drafts inside its rollout, and bubbles taking new
+    # drafting requests only up to 32 prefill tokens an engine step (spec.draft_prefill_tokens)
+    "tp2": (("parallel.tensor=2", "parallel.data=2", "spec.verifier=engine",
+             "spec.draft_prefill_tokens=32"), 4),
     "tp2-rollout-tp2": (("parallel.tensor=2", "parallel.data=2", "rollout.tensor_parallel=2"), 2),
     # replicas on consecutive ranks: each engine spans its replica's two pipeline stages
     "pp2-rollout-tp2": (("parallel.pipeline=2", "parallel.data=2", "parallel.order=tp-cp-ep-pp-dp",
                          "rollout.tensor_parallel=2"), 2),
-    # DP 1: one replica, four engines: the engines that finish first draft in the bubble
-    "tp2-pp2": (("parallel.tensor=2", "parallel.pipeline=2", "parallel.data=1"), 4),
+    # DP 1: one replica, four engines: the engines that finish first draft in the bubble, their
+    # claims paced (spec.draft_prefill_tokens)
+    "tp2-pp2": (("parallel.tensor=2", "parallel.pipeline=2", "parallel.data=1",
+                 "spec.draft_prefill_tokens=32"), 4),
 }
 # On and off compared run by run at TP 2 x PP 2 (and at DP 2 in test_loop, with either
 # verifier); every other layout's on run is compared with the DP 2 off run's tokens below.
