@@ -67,8 +67,8 @@ class RolloutLayout:
 
     def share(self, items: Sequence[T], engine: int | None = None) -> list[T]:
         """The replica's items (in sample order) that ``engine`` (default: mine) rolls out."""
-        e = self.local_engine if engine is None else engine
-        return list(items[e::self.engines_per_replica])
+        return deal(items, self.engines_per_replica,
+                    self.local_engine if engine is None else engine)
 
     def merge(self, shares: Sequence[Sequence[T]]) -> list[T]:
         """Inverse of ``share``: the engines' shares (in engine order) -> the replica's items."""
@@ -77,6 +77,12 @@ class RolloutLayout:
         for e, part in enumerate(shares):
             out[e::self.engines_per_replica] = part
         return out
+
+
+def deal(items: Sequence[T], engines: int, engine: int) -> list[T]:
+    """Round-robin: the share of a replica's ``items`` (in sample order) that its engine
+    ``engine`` of ``engines`` rolls out."""
+    return list(items[engine::engines])
 
 
 def build_layout(engine_tp: int, dp_rank: int, dp_size: int):

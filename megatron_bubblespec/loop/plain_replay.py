@@ -150,6 +150,7 @@ def step_requests(cfg, spec, rollouts) -> list[list[list]]:
     exactly the run's response length: budget = that length, no EOS ids (with vLLM's
     ``ignore_eos`` nothing else ends a request); ValueError when the run lacks a sample."""
     from megatron_bubblespec.data.lookahead import LookaheadSampler
+    from megatron_bubblespec.loop.layout import deal
     from megatron_bubblespec.loop.replica import build_task
     from megatron_bubblespec.sampling import sample_key
     from megatron_bubblespec.sampling.requests import RolloutRequest
@@ -177,7 +178,7 @@ def step_requests(cfg, spec, rollouts) -> list[list[list]]:
                              f"responses {empty[:8]} of its {batch.num_samples} in rollouts.jsonl: "
                              "the file does not belong to this config or was cut; rerun the run")
         steps.append([[request(step, batch, g, len(responses[g]))
-                       for g in list(batch.rank_sample_range(rank))[e::engines]]
+                       for g in deal(batch.rank_sample_range(rank), engines, e)]
                       for rank in range(batch.dp_size) for e in range(engines)])
     return steps
 
