@@ -7,7 +7,10 @@ re-aligned, each on a suffix match of at least spec.min_match tokens), so drafts
 decode steps past the first divergence; off, the engine decodes everything after the accepted
 prefix one token per step.
 `--sources` adds one continuation-on variant per source set (`+` joins sources: `self+siblings`;
-`all` is every source), each counted apart in the continuation columns. The history source
+`all` is every source), each counted apart in the continuation columns. `--proposal-token-cost`
+adds one continuation-on variant per cost (`null`: every sample with a match proposes
+spec.spec_k tokens, adaptive k off; a number: each proposes the tokens that pay at its recent
+acceptance). The history source
 proposes only when prompts recur within the run (data.size small enough; say so in the table).
 All variants share one plain synchronous baseline run (`--min-match` adds continuation-on
 variants with other spec.min_match values; spec.* keys only, so they share it too). Exactness
@@ -17,6 +20,7 @@ tokens; pass rollout.engine=reference to run on the reference engine.
 
     python scripts/ablations/06_continuation.py [--config configs/tiny.yaml] [--steps N]
         [--continuation true,false] [--min-match 3] [--sources bubble,self,siblings,all]
+        [--proposal-token-cost null,0.4]
         [dotted overrides...]
 """
 
@@ -43,6 +47,9 @@ def main(argv=None) -> None:
                    help="extra continuation-on variants, one per source set (sources joined "
                         f"by '+', or 'all' for {'+'.join(PROPOSAL_SOURCES)}), e.g. "
                         "bubble,self,siblings,all")
+    p.add_argument("--proposal-token-cost", type=runner.csv(str), default=[],
+                   help="extra continuation-on variants, one per spec.proposal_token_cost "
+                        "(null: always spec.spec_k tokens, adaptive k off), e.g. null")
     args = p.parse_args(argv)
     runner.learning_defaults(args)
     variants = [runner.Variant(f"continuation {v}", [f"spec.speculative_continuation={v}"])
@@ -50,6 +57,10 @@ def main(argv=None) -> None:
     variants += [runner.Variant(f"continuation true, min_match {m}",
                                 ["spec.speculative_continuation=true", f"spec.min_match={m}"])
                  for m in args.min_match]
+    variants += [runner.Variant(f"continuation true, proposal_token_cost {c}",
+                                ["spec.speculative_continuation=true",
+                                 f"spec.proposal_token_cost={c}"])
+                 for c in args.proposal_token_cost]
     for sources in args.sources:
         chosen = PROPOSAL_SOURCES if sources == "all" else tuple(sources.split("+"))
         unknown = sorted(set(chosen) - set(PROPOSAL_SOURCES))

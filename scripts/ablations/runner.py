@@ -10,7 +10,9 @@ verification rule, continuation) share one off run, while variants that change t
 ``loop.bench.token_mismatch`` (tokens that differ from the off run; 0 for an exact rule).
 
 Every run writes its run directory (metrics.jsonl, rollouts.jsonl, config.yaml) and its console log
-under <out>/<study>/runs/. Tables and plots of the result: ``report``.
+under <out>/<study>/runs/. An off run that any study under the same <out> already finished with
+the same run config (``loop.bench.finished_run``: spec keys and observers aside) is reused, not
+run again: the studies of one seed share one plain run. Tables and plots of the result: ``report``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from megatron_bubblespec.config import ConfigError, load_config
-from megatron_bubblespec.loop.bench import compare, token_mismatch
+from megatron_bubblespec.loop.bench import compare, finished_run, token_mismatch
 from megatron_bubblespec.machine import machine_info
 from megatron_bubblespec.metrics import read_metrics, to_json
 from megatron_bubblespec.metrics.formatting import value
@@ -179,9 +181,40 @@ def train_run(config: str, overrides: Sequence[str], runs_dir: Path, name: str) 
         out = train(cfg)
     wall = time.perf_counter() - t0
     print(f"    {wall:.0f} s (load average before {load_before}, after {_loadavg()})", flush=True)
+    timing = {"wall_s": wall, "loadavg_before": load_before, "loadavg_after": _loadavg()}
+    (runs_dir / f"{name}.timing.json").write_text(json.dumps(timing) + "\n")
     return {"name": name, "dir": str(runs_dir / name), "records": out["records"],
-            "rollouts": out["rollouts"], "wall_s": wall, "loadavg_before": load_before,
-            "loadavg_after": _loadavg(), "lr_config": cfg.train.lr, "steps": cfg.run.steps}
+            "rollouts": out["rollouts"], **timing, "lr_config": cfg.train.lr,
+            "steps": cfg.run.steps}
+
+
+def reusable_off_run(out: Path, config: str, overrides: Sequence[str]) -> dict | None:
+    """An off run that a study under ``out`` already finished with this run config (the off
+    run's ``overrides``), as :func:`train_run` returns it; None when there is none."""
+    for saved in sorted(out.glob("*/runs/*/config.yaml")):
+        run = saved.parent
+        cfg = load(config, [*overrides, f"run.output_dir={run.parent}", f"run.name={run.name}"])
+        found = finished_run(cfg)
+        if found is None:
+            continue
+        timing_file = run.parent / f"{run.name}.timing.json"
+        timing = (json.loads(timing_file.read_text()) if timing_file.is_file()
+                  else _timing_from_results(run))
+        return {"name": run.name, "dir": str(run), **found, **timing,
+                "lr_config": cfg.train.lr, "steps": cfg.run.steps}
+    return None
+
+
+def _timing_from_results(run: Path) -> dict:
+    """Wall time and load averages of an off run from its study's results.json (runs written
+    before the timing file existed); unknown ones are NaN / None."""
+    results = run.parent.parent / "results.json"
+    summaries = json.loads(results.read_text())["runs"] if results.is_file() else []
+    for s in summaries:
+        if Path(s["run_off"]) == run:
+            return {"wall_s": s["wall_off_s"], "loadavg_before": s["loadavg_off"][0],
+                    "loadavg_after": s["loadavg_off"][1]}
+    return {"wall_s": math.nan, "loadavg_before": None, "loadavg_after": None}
 
 
 def reward_ends(records: Sequence[Mapping]) -> tuple[float, float]:
@@ -276,10 +309,14 @@ def run_study(study: str, args, variants: Sequence[Variant]) -> dict:
         try:
             if key in broken:
                 raise broken[key]
+            off_overrides = [*base, *key, "spec.enabled=false"]
+            if key not in offs:
+                if (reused := reusable_off_run(Path(args.out), args.config, off_overrides)):
+                    print(f"  off run: reusing {reused['dir']}", flush=True)
+                    offs[key] = reused
             if key not in offs:
                 try:
-                    offs[key] = _attempt(args.config, [*base, *key, "spec.enabled=false"],
-                                         runs_dir, f"off-{len(offs) + len(broken)}-"
+                    offs[key] = _attempt(args.config, off_overrides, runs_dir, f"off-{len(offs) + len(broken)}-"
                                          f"{_slug(v.label)}")
                 except RunFailed as err:
                     broken[key] = err

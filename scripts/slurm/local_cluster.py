@@ -39,6 +39,7 @@ from pathlib import Path
 
 DAEMONS = ("munged", "mungekey", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo")
+QUERY_GRACE_S = 30.0  # how long `wait` retries a failing `scontrol show job` before giving up
 APT_PACKAGES = ("slurm-wlm", "slurmctld", "slurmd", "slurm-client", "munge")
 
 
@@ -379,7 +380,8 @@ class LocalSlurm:
         task is ``"<array job id>_<index>"``."""
         proc = self._run(["scontrol", "show", "job", "-o", str(job_id)])
         if proc.returncode:
-            raise SlurmError(f"scontrol show job {job_id}: {proc.stderr.strip()}")
+            raise SlurmError(f"scontrol show job {job_id} exited with {proc.returncode}: "
+                             f"{(proc.stderr or proc.stdout).strip() or '(no output)'}")
         info = {}
         for tok in proc.stdout.split():
             if "=" in tok:
@@ -391,13 +393,27 @@ class LocalSlurm:
                                         "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"),
              timeout: float = 300.0, poll: float = 1.0, until=None) -> dict[str, str]:
         """Poll until the job reaches one of ``states`` (or ``until(info)`` holds); returns its
-        info. Raises TimeoutError with the last info and the daemons' log tails."""
+        info. Raises TimeoutError with the last info and the daemons' log tails.
+
+        A failed ``scontrol show job`` is retried for up to ``QUERY_GRACE_S``: the controller
+        can refuse a query for a moment (a requeue in progress holds its job locks, and on a
+        2-core machine under load the reply can come late), which says nothing about the job."""
         deadline = time.monotonic() + timeout
         info: dict[str, str] = {}
+        failing_since = None
         while time.monotonic() < deadline:
             for name in self.procs:
                 self._check_alive(name)
-            info = self.job(job_id)
+            try:
+                info = self.job(job_id)
+            except SlurmError:
+                now = time.monotonic()
+                failing_since = failing_since or now
+                if now - failing_since > QUERY_GRACE_S:
+                    raise
+                time.sleep(poll)
+                continue
+            failing_since = None
             if info.get("JobState") in states or (until is not None and until(info)):
                 return info
             time.sleep(poll)
