@@ -1,7 +1,7 @@
 """The ablation scripts end to end: study 6 (speculative continuation) on configs/tiny.yaml with a
 one-point grid (one source set) and 2 steps, in a subprocess as a user runs it -> results.json,
 table.md with the learning-rate and drift columns, plot.png, and no token mismatch against the
-plain run."""
+plain run; then study 2 (one draft-order variant) under the same --out reuses that plain run."""
 
 import json
 import os
@@ -13,14 +13,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "ablations" / "06_continuation.py"
+BUDGET = ROOT / "scripts" / "ablations" / "02_draft_budget.py"
+ENV = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 @pytest.mark.slow
 def test_continuation_study_writes_table_plot_and_results(tmp_path):
-    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run([sys.executable, str(SCRIPT), "--config", "configs/tiny.yaml",
                            "--out", str(tmp_path), "--steps", "2", "--continuation", "", "--sources", "bubble+siblings"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = tmp_path / "06_continuation"
     for name in ("results.json", "table.md", "plot.png"):
@@ -40,6 +41,48 @@ def test_continuation_study_writes_table_plot_and_results(tmp_path):
     header = (out / "table.md").read_text().split("\n| variant |")[1].split("\n")[0]
     columns = [c.strip() for c in header.split("|")]
     assert {"lr", "drift KL", "token mismatch", "accept rate"} <= set(columns)
+
+    # Another study of the same seed and steps finds that plain run and runs only its on run.
+    proc = subprocess.run([sys.executable, str(BUDGET), "--config", "configs/tiny.yaml",
+                           "--out", str(tmp_path), "--steps", "2", "--max-draft-tokens", "",
+                           "--draft-chunk", "", "--draft-horizon", "", "--draft-order", "stragglers"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"off run: reusing {run['run_off']}" in proc.stdout
+    budget = json.loads((tmp_path / "02_draft_budget" / "results.json").read_text())
+    [order] = budget["runs"]
+    assert order["run_off"] == run["run_off"] and order["wall_off_s"] == run["wall_off_s"]
+    assert "spec.draft_order=stragglers" in order["overrides"]
+    assert order["token_mismatch"] == 0
+    assert not list((tmp_path / "02_draft_budget" / "runs").glob("off-*"))
+
+
+def test_an_off_run_of_another_seed_is_not_reused(tmp_path):
+    """``runner.reusable_off_run`` compares the whole run config: a finished plain run of seed 1
+    does not stand in for seed 2's, nor a BubbleSpec-on run for a plain one."""
+    sys.path.insert(0, str(ROOT / "scripts" / "ablations"))
+    import runner
+    from megatron_bubblespec.config import load_config
+    from megatron_bubblespec.config.load import to_yaml
+
+    tiny = str(ROOT / "configs" / "tiny.yaml")
+    runs = tmp_path / "study" / "runs"
+    for name, overrides in (("off-seed1", ["run.seed=1", "spec.enabled=false"]),
+                            ("on-seed2", ["run.seed=2", "spec.enabled=true"])):
+        (runs / name).mkdir(parents=True)
+        cfg = load_config(tiny, [*overrides, "run.steps=1", f"run.output_dir={runs}",
+                                 f"run.name={name}"])
+        (runs / name / "config.yaml").write_text(to_yaml(cfg))
+        (runs / name / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n")
+        (runs / name / "rollouts.jsonl").write_text(json.dumps({"step": 0, "responses": {}}) + "\n")
+    (runs / "off-seed1.timing.json").write_text(json.dumps(
+        {"wall_s": 12.5, "loadavg_before": [1, 1, 1], "loadavg_after": [2, 2, 2]}))
+    found = runner.reusable_off_run(tmp_path, tiny,
+                                    ["run.seed=1", "run.steps=1", "spec.enabled=false"])
+    assert found is not None and found["dir"] == str(runs / "off-seed1")
+    assert found["wall_s"] == 12.5 and [r["step"] for r in found["records"]] == [0]
+    assert runner.reusable_off_run(tmp_path, tiny,
+                                   ["run.seed=2", "run.steps=1", "spec.enabled=false"]) is None
 
 
 def test_continuation_study_refuses_an_unknown_source_before_any_run(tmp_path):
