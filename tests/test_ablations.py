@@ -1,5 +1,5 @@
 """The ablation scripts end to end: study 6 (speculative continuation) on configs/tiny.yaml with a
-one-point grid (one source set) and 2 steps, in a subprocess as a user runs it -> results.json,
+one-point grid (one source set) and 4 steps, in a subprocess as a user runs it -> results.json,
 table.md with the learning-rate and drift columns, plot.png, and no token mismatch against the
 plain run; then study 2 (one draft-order variant) under the same --out reuses that plain run."""
 
@@ -20,7 +20,8 @@ ENV = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING
 @pytest.mark.slow
 def test_continuation_study_writes_table_plot_and_results(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--config", "configs/tiny.yaml",
-                           "--out", str(tmp_path), "--steps", "2", "--continuation", "", "--sources", "bubble+siblings"],
+                           "--out", str(tmp_path), "--steps", "4", "--continuation", "",
+                           "--sources", "bubble+siblings"],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = tmp_path / "06_continuation"
@@ -35,17 +36,24 @@ def test_continuation_study_writes_table_plot_and_results(tmp_path):
                                 "spec.proposal_sources=[bubble,siblings]"]
     assert run["token_mismatch"] == 0 and run["token_mismatch_samples"] == 0
     assert run["lr"] > 0 and run["policy_drift_kl_mean"] is not None
-    assert [r["step"] for r in run["series"]["on"]] == [0, 1]
+    assert [r["step"] for r in run["series"]["on"]] == [0, 1, 2, 3]
     assert run["drafted_tokens"] > 0  # step 1 verified drafts made in step 0's bubble
 
     header = (out / "table.md").read_text().split("\n| variant |")[1].split("\n")[0]
     columns = [c.strip() for c in header.split("|")]
-    assert {"lr", "drift KL", "token mismatch", "accept rate"} <= set(columns)
+    assert {"lr", "drift KL", "token mismatch", "accept rate", "decode steps on/off, steady",
+            "continuation accepted / proposed by source"} <= set(columns)
+    # tiny.yaml's bubbles draft steps t+1 and t+2: the steady state is step 3 on
+    steady, (on3,), (off3,) = run["steady_state"], run["series"]["on"][3:], run["series"]["off"][3:]
+    assert run["steady_from"] == 3 and steady["steps_compared"] == 1
+    assert steady["decode_steps_ratio"] == pytest.approx(
+        on3["rollout/decode_steps"] / off3["rollout/decode_steps"])
 
     # Another study of the same seed and steps finds that plain run and runs only its on run.
     proc = subprocess.run([sys.executable, str(BUDGET), "--config", "configs/tiny.yaml",
-                           "--out", str(tmp_path), "--steps", "2", "--max-draft-tokens", "",
-                           "--draft-chunk", "", "--draft-horizon", "", "--draft-order", "stragglers"],
+                           "--out", str(tmp_path), "--steps", "4", "--max-draft-tokens", "",
+                           "--draft-chunk", "", "--draft-horizon", "",
+                           "--draft-order", "stragglers"],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"off run: reusing {run['run_off']}" in proc.stdout

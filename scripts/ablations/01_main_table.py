@@ -31,7 +31,7 @@ def main(argv=None) -> None:
     on, off = run["series"]["on"], run["series"]["off"]
     plot_run(on, f"{result['out']}/bench.png", baseline=off)
     columns = (*report.ACCEPT, *report.SPEED[:2], *report.ENGINE, *report.SPEED[2:],
-               *report.BUBBLE, *report.COVERAGE, *report.EXACT, *report.TRAINING)
+               *report.STEADY, *report.BUBBLE, *report.COVERAGE, *report.EXACT, *report.TRAINING)
     report.finish(result, TITLE, columns, panels=[
         report.curves("train/reward_mean", "reward per step (identical tokens on and off)"),
         report.curves("rollout/decode_steps", "decode steps per step"),

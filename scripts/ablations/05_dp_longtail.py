@@ -30,7 +30,7 @@ from megatron_bubblespec.metrics.formatting import percent
 STUDY = "05_dp_longtail"
 TITLE = "DP size and long-tail severity"
 COLUMNS = (*report.BUBBLE, report.Column("bubble (on run)", "bubble_ratio_on", percent),
-           *report.SPEED, *report.ACCEPT, *report.EXACT, *report.TRAINING)
+           *report.SPEED, *report.STEADY, *report.ACCEPT, *report.EXACT, *report.TRAINING)
 
 
 def main(argv=None) -> None:

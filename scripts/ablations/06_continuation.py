@@ -71,8 +71,8 @@ def main(argv=None) -> None:
             "spec.speculative_continuation=true", f"spec.proposal_sources=[{','.join(chosen)}]"]))
     result = runner.run_study(STUDY, args, variants)
     columns = (*report.ACCEPT, *report.SPEED[:2], *report.ENGINE, *report.SPEED[2:],
-               *report.BUBBLE, *report.COVERAGE, *report.CONTINUATION, *report.EXACT,
-               *report.TRAINING)
+               *report.STEADY, *report.BUBBLE, *report.COVERAGE, *report.CONTINUATION,
+               report.SourcesColumn(), *report.EXACT, *report.TRAINING)
     report.finish(result, TITLE, columns, extra=[
         "## Decode steps per step", "",
         report.per_step_table(result["runs"], "rollout/decode_steps", count), "",

@@ -14,6 +14,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from megatron_bubblespec.config.schema import PROPOSAL_SOURCES
 from megatron_bubblespec.metrics.formatting import (MISSING, count, number, percent, scientific,
                                                      seconds, value)
 from megatron_bubblespec.metrics.reduce import mean_of
@@ -29,8 +30,34 @@ class Column:
     fmt: Callable[[float], str]
 
     def cell(self, summary: Summary) -> str:
-        x = summary.get(self.key)
+        x = lookup(summary, self.key)
         return self.fmt(math.nan if x is None else float(x))
+
+
+def lookup(summary: Summary, key: str):
+    """``summary[key]``, where a dotted key reads a nested block (``steady_state.x``); None when
+    missing."""
+    for part in key.split("."):
+        if not isinstance(summary, Mapping):
+            return None
+        summary = summary.get(part)
+    return summary
+
+
+@dataclass(frozen=True)
+class SourcesColumn:
+    """Continuation tokens accepted / proposed, per proposal source that proposed any."""
+
+    header: str = "continuation accepted / proposed by source"
+
+    def cell(self, summary: Summary) -> str:
+        parts = []
+        for source in PROPOSAL_SOURCES:
+            proposed = value(summary, f"continuation_proposed_tokens_{source}")
+            if proposed > 0:
+                accepted = value(summary, f"continuation_accepted_tokens_{source}")
+                parts.append(f"{source} {count(accepted)} / {count(proposed)}")
+        return ", ".join(parts) or MISSING
 
 
 def _reward_cell(summary: Summary) -> str:
@@ -45,13 +72,17 @@ SPEED = (Column("decode steps on/off", "decode_steps_ratio", number),
          Column("throughput on vs off", "throughput_ratio", number),
          Column("incl. verify", "throughput_ratio_with_verify", number),
          Column("verify / rollout", "verify_overhead_frac", percent))
+# The same ratios over the steady state (steps >= H + 1, after what step 0's bubble drafted).
+STEADY = (Column("decode steps on/off, steady", "steady_state.decode_steps_ratio", number),
+          Column("engine steps on/off, steady", "steady_state.engine_steps_ratio", number),
+          Column("incl. verify, steady", "steady_state.throughput_ratio_with_verify", number))
 BUBBLE = (Column("bubble (off run)", "bubble_ratio_off", percent),
           Column("bubble used", "bubble_utilization", percent))
 EXACT = (Column("token mismatch", "token_mismatch", count),)
 TRAINING = (Column("lr", "lr", scientific),
             Column("drift KL", "policy_drift_kl_mean", scientific))
 TIME = (Column("wall on", "wall_on_s", seconds), Column("wall off", "wall_off_s", seconds))
-DEFAULT_COLUMNS = ACCEPT + SPEED + BUBBLE + EXACT + TRAINING
+DEFAULT_COLUMNS = ACCEPT + SPEED + STEADY + BUBBLE + EXACT + TRAINING
 # Optional columns: the engine-step ratio and the share of the responses drafted / accepted
 # (steps >= 1), and the proposals of speculative continuation.
 ENGINE = (Column("engine steps on/off", "engine_steps_ratio", number),)
@@ -120,6 +151,9 @@ def seed_means(runs: Sequence[Summary]) -> list[dict]:
         for key, x in members[0].items():
             if isinstance(x, (int, float)) and not isinstance(x, bool):
                 mean[key] = mean_of(members, key)
+            elif key == "steady_state" and all(isinstance(m.get(key), Mapping) for m in members):
+                mean[key] = {k: mean_of([m[key] for m in members], k) for k, y in x.items()
+                             if isinstance(y, (int, float)) and not isinstance(y, bool)}
         mean["series"] = {mode: _mean_series([m["series"][mode] for m in members])
                           for mode in ("on", "off")}
         mean["run_off"] = " ".join(sorted({m["run_off"] for m in members}))

@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from megatron_bubblespec.config import ConfigError, load_config
-from megatron_bubblespec.loop.bench import compare, finished_run, token_mismatch
+from megatron_bubblespec.loop.bench import (compare, compare_steps, finished_run,
+                                             steady_state_first_step, token_mismatch)
 from megatron_bubblespec.machine import machine_info
 from megatron_bubblespec.metrics import read_metrics, to_json
 from megatron_bubblespec.metrics.formatting import value
@@ -223,9 +224,10 @@ def reward_ends(records: Sequence[Mapping]) -> tuple[float, float]:
     return mean_of(records[:k], "train/reward_mean"), mean_of(records[-k:], "train/reward_mean")
 
 
-def summarize(variant: Variant, on: dict, off: dict) -> dict:
-    """The variant's numbers: the package's on/off comparison plus token mismatch, reward ends,
-    run times. ``lr`` falls back to the configured one when the runs did not log it."""
+def summarize(variant: Variant, on: dict, off: dict, steady_from: int) -> dict:
+    """The variant's numbers: the package's on/off comparison (also over the steady state, the
+    steps >= ``steady_from``) plus token mismatch, reward ends, run times. ``lr`` falls back to
+    the configured one when the runs did not log it."""
     result = compare(on["records"], off["records"])
     if math.isnan(result["lr"]):
         result["lr"] = on["lr_config"]
@@ -244,16 +246,22 @@ def summarize(variant: Variant, on: dict, off: dict) -> dict:
         "loadavg_on": [on["loadavg_before"], on["loadavg_after"]],
         "loadavg_off": [off["loadavg_before"], off["loadavg_after"]],
         "series": {"on": list(on["records"]), "off": list(off["records"])},
-    })
+    }, steady_from)
 
 
-def with_series_numbers(summary: dict) -> dict:
+def with_series_numbers(summary: dict, steady_from: int | None = None) -> dict:
     """Add the numbers computed from the per-step series: reward of the first / last quarter of
     the steps (on and off), and ``decode_steps_saved_frac`` = 1 - the on run's decode steps / the
     plain decode steps of its own responses over steps >= 1, the saving a run made on its own
     tokens (it equals 1 - decode_steps_ratio when the rule is exact; an inexact rule's responses
-    differ from the off run's, so only this one compares)."""
+    differ from the off run's, so only this one compares). With ``steady_from`` (or the one the
+    summary holds), the comparison over the steps >= it as ``steady_state``, as
+    ``bubblespec bench`` reports it."""
     on, off = summary["series"]["on"], summary["series"]["off"]
+    steady_from = summary.get("steady_from", steady_from)
+    if steady_from is not None:
+        summary["steady_from"] = steady_from
+        summary["steady_state"] = compare_steps(on, off, (), steady_from)
     summary["reward_first_on"], summary["reward_last_on"] = reward_ends(on)
     summary["reward_first_off"], summary["reward_last_off"] = reward_ends(off)
     on1 = [r for r in on if value(r, "step") >= 1]
@@ -271,15 +279,18 @@ def run_study(study: str, args, variants: Sequence[Variant]) -> dict:
     if args.seeds:
         variants = [Variant(f"{v.label}, seed {seed}", [*v.overrides, f"run.seed={seed}"],
                             v.label) for v in variants for seed in args.seeds]
+    steady_from = {}  # label -> the variant's first steady-state step
     for v in variants:  # validate everything before the first run starts
-        load(args.config, [*base, *v.overrides, "spec.enabled=true"])
+        steady_from[v.label] = _steady_from(args, base, v.overrides)
         load(args.config, [*base, *v.off_overrides, "spec.enabled=false"])
     if args.render_only:
         path = out / "results.json"
         if not path.is_file():
             raise SystemExit(f"--render-only: {path} does not exist; run the study first")
         result = json.loads(path.read_text())
-        result["runs"] = [with_series_numbers(s) for s in result["runs"]]
+        result["out"] = str(out)  # redrawn where asked, also from a copy of the study's folder
+        result["runs"] = [with_series_numbers(s, _steady_from(args, base, s["overrides"]))
+                          for s in result["runs"]]
         return result
     if args.dry_run:
         offs = list(dict.fromkeys(tuple(v.off_overrides) for v in variants))
@@ -304,7 +315,7 @@ def run_study(study: str, args, variants: Sequence[Variant]) -> dict:
         key = tuple(v.off_overrides)
         if v.label in done:
             print(f"  {v.label}: kept from the previous run of the study", flush=True)
-            result["runs"].append(done[v.label])
+            result["runs"].append(with_series_numbers(done[v.label], steady_from[v.label]))
             continue
         try:
             if key in broken:
@@ -316,14 +327,14 @@ def run_study(study: str, args, variants: Sequence[Variant]) -> dict:
                     offs[key] = reused
             if key not in offs:
                 try:
-                    offs[key] = _attempt(args.config, off_overrides, runs_dir, f"off-{len(offs) + len(broken)}-"
-                                         f"{_slug(v.label)}")
+                    name = f"off-{len(offs) + len(broken)}-{_slug(v.label)}"
+                    offs[key] = _attempt(args.config, off_overrides, runs_dir, name)
                 except RunFailed as err:
                     broken[key] = err
                     raise
             on = _attempt(args.config, [*base, *v.overrides, "spec.enabled=true"], runs_dir,
                           f"on-{i}-{_slug(v.label)}")
-            result["runs"].append(summarize(v, on, offs[key]))
+            result["runs"].append(summarize(v, on, offs[key], steady_from[v.label]))
         except RunFailed as err:
             result["failed"].append({"label": v.label, "overrides": v.overrides, "run": err.run,
                                      "error": err.message, "log": err.log})
@@ -333,6 +344,11 @@ def run_study(study: str, args, variants: Sequence[Variant]) -> dict:
     if not result["runs"]:
         raise SystemExit(f"{study}: every run failed; see the logs under {runs_dir}")
     return result
+
+
+def _steady_from(args, base: Sequence[str], overrides: Sequence[str]) -> int:
+    """The first steady-state step of the on run with these overrides (validates its config)."""
+    return steady_state_first_step(load(args.config, [*base, *overrides, "spec.enabled=true"]))
 
 
 def finished_runs(path: Path, offs: dict) -> dict[str, dict]:
