@@ -83,6 +83,26 @@ def test_drafting_hands_out_samples_from_index_zero_once_each():
     assert outcome.drafting_s[0] > outcome.drafting_s[1] > 0
 
 
+def test_paced_claims_fill_the_batch_one_engine_step_at_a_time():
+    """spec.draft_prefill_tokens: a rank claims only up to the budget of prompt tokens at a time
+    (one chunk of 2 x 200 here) and again after the engine step that prefills them, so the step in
+    flight when the barrier closes is short; unpaced, all 12 prompts are prefilled in one step
+    that runs far past it."""
+    cpu = EngineCosts(step_s=0.05, seq_s=0.0, kv_token_s=0.0, prefill_s=0.01,
+                      prefill_token_s=1e-3)
+    arrive, lens = np.array([0.0, 1.0]), np.full(12, 10_000)
+    unpaced = draft_in_bubble(arrive, lens, cpu, 200, concurrency=12, chunk=2)
+    paced = draft_in_bubble(arrive, lens, cpu, 200, concurrency=12, chunk=2, prefill_budget=256)
+    assert np.count_nonzero(unpaced.tokens) == 12
+    assert unpaced.overshoot_s[0] == pytest.approx(2.41 + 0.05 - 1.0)   # one 2,400-token prefill
+    # claims at 0, 0.46 and 0.92 s (a 0.41 s prefill + a 0.05 s step each); 1.38 s is too late
+    assert np.flatnonzero(paced.tokens).tolist() == list(range(6))
+    assert paced.overshoot_s[0] == pytest.approx(0.92 + 0.41 + 0.05 - 1.0)
+    assert paced.overshoot_s[1] == unpaced.overshoot_s[1] == 0.0
+    with pytest.raises(ValueError, match="draft_prefill_tokens"):
+        setting(draft_prefill_tokens=-1)
+
+
 def test_a_drafting_horizon_drafts_later_steps_in_a_long_bubble():
     """Step 0 has one long bubble, the later steps none: drafting 3 steps ahead covers steps 2-3
     as well, continuing partial drafts, and never drafts past a response's length."""

@@ -445,6 +445,7 @@ def _job_shape(cfg, off: Sequence[Mapping], bench_path: Path) -> dict:
                 "samples": r.prompts_per_step * r.samples_per_prompt // cfg.parallel.data,
                 "draft_budget": min(cfg.spec.max_draft_tokens, r.max_new_tokens),
                 "chunk": cfg.spec.draft_chunk, "in_flight": cfg.spec.draft_in_flight,
+                "prefill_budget": cfg.spec.draft_prefill_tokens,
                 "horizon": cfg.spec.draft_horizon, "order": cfg.spec.draft_order,
                 "continuation_k": cfg.spec.spec_k if cfg.spec.speculative_continuation else 0,
                 "engine": r.engine}
@@ -454,7 +455,8 @@ def _job_shape(cfg, off: Sequence[Mapping], bench_path: Path) -> dict:
                                "(no run config.yaml and no rank*/bubble/idle_s metrics)")
     cap = int(max(r["rollout/max_response_len"] for r in off))
     return {"ranks": ranks, "cap": cap, "engine_tp": 1, "samples": None, "draft_budget": cap,
-            "chunk": 2, "in_flight": DRAFT_CONCURRENCY, "horizon": 1, "order": "engines",
+            "chunk": 2, "in_flight": DRAFT_CONCURRENCY, "prefill_budget": 0, "horizon": 1,
+            "order": "engines",
             "continuation_k": 0, "engine": None}
 
 
@@ -549,6 +551,7 @@ def calibrate(bench_path: str | Path, engine_paths: Sequence[str | Path] = (), *
                          f"draft's end, {gain_diverged:.3g} in steps with a divergence")
     setting = Setting(ranks, samples, prompt_len, cap, job["draft_budget"], accept_prob=accept,
                       draft_concurrency=job["in_flight"], draft_chunk=job["chunk"],
+                      draft_prefill_tokens=job["prefill_budget"],
                       draft_horizon=job["horizon"], draft_order=job["order"],
                       engine_tp=job["engine_tp"],
                       jitter=jitter, continuation_k=job["continuation_k"],

@@ -134,6 +134,7 @@ def grid_setting(cal, args):
         setting = replace(setting, samples_per_rank=max(
             r.prompts_per_step * r.samples_per_prompt // cfg.parallel.data, 1),
             draft_chunk=cfg.spec.draft_chunk, draft_concurrency=cfg.spec.draft_in_flight,
+            draft_prefill_tokens=cfg.spec.draft_prefill_tokens,
             draft_horizon=cfg.spec.draft_horizon, draft_order=cfg.spec.draft_order,
             continuation_k=cfg.spec.spec_k if cfg.spec.speculative_continuation else 0)
         budget_frac = min(cfg.spec.max_draft_tokens, r.max_new_tokens) / r.max_new_tokens

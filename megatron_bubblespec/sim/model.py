@@ -222,6 +222,7 @@ class Setting:
     accept_prob: float = 1.0
     draft_concurrency: int = 32       # BubbleDrafter's in_flight (spec.draft_in_flight)
     draft_chunk: int = 2              # spec.draft_chunk
+    draft_prefill_tokens: int = 0     # spec.draft_prefill_tokens: prompts claimed per engine step
     draft_horizon: int = 1            # spec.draft_horizon: steps a bubble drafts ahead
     draft_order: str = "engines"      # spec.draft_order: which samples a bubble drafts first
     jitter: float = 0.0               # log-sd of a rank's rollout speed, drawn per rank and step
@@ -245,6 +246,9 @@ class Setting:
         if self.samples_per_rank % self.engines_per_replica:
             raise ValueError(f"{self.samples_per_rank} samples per replica do not split evenly "
                              f"over {self.engines_per_replica} engines")
+        if self.draft_prefill_tokens < 0:
+            raise ValueError(f"draft_prefill_tokens must be >= 0 (0: no bound), got "
+                             f"{self.draft_prefill_tokens}")
         if self.kv_slots is not None and self.kv_slots < 1:
             raise ValueError(f"kv_slots must be >= 1 or None, got {self.kv_slots}")
         if self.draft_order not in DRAFT_ORDERS:
@@ -402,7 +406,8 @@ def _draft_ahead(setting: Setting, engine, pending: dict[int, np.ndarray], all_l
     todo = ordered[done[ordered] < full[ordered]]
     concurrency = min(setting.draft_concurrency, setting.kv_slots or setting.draft_concurrency)
     outcome = draft_in_bubble(arrive, full[todo] - done[todo], engine, setting.prompt_len,
-                              concurrency=concurrency, chunk=setting.draft_chunk)
+                              concurrency=concurrency, chunk=setting.draft_chunk,
+                              prefill_budget=setting.draft_prefill_tokens)
     done[todo] += outcome.tokens
     for s, drafted in zip(targets, done.reshape(len(targets), *shape)):
         pending[s] = drafted

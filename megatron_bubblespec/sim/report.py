@@ -146,6 +146,8 @@ def describe(result: Mapping) -> list[str]:
         f"response budget = context - prompt, draft budget {grid['draft_budget']}, "
         f"acceptance per token {s['accept_prob']:.4g}, rank timing noise (log-sd) "
         f"{s['jitter']:.3g}, {s['draft_concurrency']} drafts in flight, chunk {s['draft_chunk']}, "
+        + (f"claims paced at {s['draft_prefill_tokens']} prefill tokens per engine step, "
+           if s.get('draft_prefill_tokens') else "")
         + (f"continuation k {s['continuation_k']}: accepted tokens per decode step "
            f"{s['continuation_gain_past']:.3g} past a draft's end, "
            + ("re-aligned at the per-token acceptance"
