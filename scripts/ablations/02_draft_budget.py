@@ -7,9 +7,9 @@ samples; a larger chunk makes fewer claims but leaves the cursor's tail less eve
 longer horizon fills the drafting batch with later steps' samples (older drafts by the time they
 are verified) once the next step's are all in flight; the order ``stragglers`` extends the partial
 drafts still running first, longest first (the likely stragglers), ``engines`` deals them
-round-robin over the engines. Each knob is swept around the config's
-values of the others (``--full-grid``: every combination). Spec keys do not change the plain run,
-so all variants share one off run.
+round-robin over the engines. Each knob is swept around the config's values of the others
+(``--full-grid``: every combination; the order only when ``--draft-order`` names values). Spec
+keys do not change the plain run, so all variants share one off run.
 
     python scripts/ablations/02_draft_budget.py [--config configs/tiny.yaml] [--steps N]
         [--max-draft-tokens 8,24,48] [--draft-chunk 1,2,4] [--draft-horizon 1,2,3]
@@ -44,7 +44,7 @@ def main(argv=None) -> None:
                    help="values of spec.draft_order (default: the config's only), e.g. "
                         "engines,stragglers")
     p.add_argument("--full-grid", action="store_true",
-                   help="every combination of the three knobs instead of one knob at a time")
+                   help="every combination of the knobs instead of one knob at a time")
     args = p.parse_args(argv)
     runner.learning_defaults(args)
     spec = runner.load(args.config, runner.base_overrides(args)).spec
