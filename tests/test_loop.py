@@ -4,6 +4,7 @@ only in bubbles; corrupted drafts change nothing; config errors stop before any 
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -155,8 +156,25 @@ def test_drafts_two_steps_old_stay_exact(runs, tmp_path):
     assert sum(r["spec/accepted_tokens"] for r in stale["records"]) > 0
 
 
+def _late_to_the_barrier(replica, steps, seconds: float = 0.1) -> None:
+    """DP rank 1 reaches the barrier ``seconds`` late in ``steps``: the tiny model's ranks often
+    finish within a millisecond of each other (both run 48 engine steps), which leaves no bubble
+    to draft in; the delay makes one that does not depend on the machine's timing noise."""
+    if replica.dp_rank != 1:
+        return
+    beat = replica.beat
+
+    def late_beat(step: int, stage: str) -> None:
+        if stage == "bubble" and step in steps:
+            time.sleep(seconds)
+        beat(step, stage)
+
+    replica.beat = late_beat
+
+
 def _horizon_worker(cfg):
     replica = build_replica(cfg)
+    _late_to_the_barrier(replica, steps=(0, 1))
     rollouts, queues, metrics = [], [], []
     for step in range(3):
         out = run_step(replica, step)
