@@ -65,10 +65,10 @@ def test_continuation_study_writes_table_plot_and_results(tmp_path):
     assert not list((tmp_path / "02_draft_budget" / "runs").glob("off-*"))
 
 
-def test_an_off_run_of_another_seed_is_not_reused(tmp_path):
+def test_an_off_run_of_another_seed_is_not_reused(tmp_path, monkeypatch):
     """``runner.reusable_off_run`` compares the whole run config: a finished plain run of seed 1
     does not stand in for seed 2's, nor a BubbleSpec-on run for a plain one."""
-    sys.path.insert(0, str(ROOT / "scripts" / "ablations"))
+    monkeypatch.syspath_prepend(str(ROOT / "scripts" / "ablations"))
     import runner
     from megatron_bubblespec.config import load_config
     from megatron_bubblespec.config.load import to_yaml
