@@ -456,8 +456,7 @@ def _job_shape(cfg, off: Sequence[Mapping], bench_path: Path) -> dict:
     cap = int(max(r["rollout/max_response_len"] for r in off))
     return {"ranks": ranks, "cap": cap, "engine_tp": 1, "samples": None, "draft_budget": cap,
             "chunk": 2, "in_flight": DRAFT_CONCURRENCY, "prefill_budget": 0, "horizon": 1,
-            "order": "engines",
-            "continuation_k": 0, "engine": None}
+            "order": "engines", "continuation_k": 0, "engine": None}
 
 
 def _engine_costs(engine_paths, engine_name, lengths, measured_rank_s, prompt_len, notes):

@@ -7,10 +7,11 @@ one claims next-step samples from one global cursor, ``chunk`` at a time, keepin
 ``concurrency`` live sequences (each step adds one token to every draft in flight), and the chunks
 claimed at one moment add one prefill of their prompts to the rank's next step, delaying all its
 drafts. A draft ends at its length (EOS under the drafting policy, or the draft budget), which
-frees a slot that is refilled from the cursor at once. Claims happen in global time order, so fast ranks take
-more samples and the cursor hands the next step's samples out from global index 0 up (those of the
-low DP ranks first), as the real cursor does. When the last rank arrives, every draft keeps the
-tokens of the engine steps begun before that moment (the step in progress completes: overshoot).
+frees a slot that is refilled from the cursor at once. Claims happen in global time order, so fast
+ranks take more samples and the cursor hands the next step's samples out from global index 0 up
+(those of the low DP ranks first), as the real cursor does. When the last rank arrives, every
+draft keeps the tokens of the engine steps begun before that moment (the step in progress
+completes: overshoot).
 With ``prefill_budget`` (``spec.draft_prefill_tokens``) a rank claims at one moment only until the
 claimed prompts reach the budget (at least one chunk), as the drafter paces its claims, and claims
 again one engine step later while it has free slots.
@@ -75,7 +76,7 @@ def draft_in_bubble(arrive, draft_lens, engine, prompt_len: int, *, concurrency:
         nonlocal cursor
         first = cursor
         while (len(in_flight[rank]) < concurrency and cursor < total
-               and (min(cursor, total) - first) * prompt_len < budget):
+               and (cursor - first) * prompt_len < budget):
             for g in range(cursor, min(cursor + chunk, total)):
                 in_flight[rank][g] = (now, delay[rank])
             cursor += chunk
@@ -95,9 +96,9 @@ def draft_in_bubble(arrive, draft_lens, engine, prompt_len: int, *, concurrency:
         push(float(arrive[rank]), ARRIVE, int(rank), -1)
     while events and events[0][0] < close:
         now, _, kind, rank, g = heapq.heappop(events)
-        if kind in (ARRIVE, CLAIM):
-            if kind == CLAIM:
-                claim_due[rank] = False
+        if kind == CLAIM:
+            claim_due[rank] = False
+        if kind != FINISH:
             claim(rank, now)
             continue
         claimed_at, before = in_flight[rank][g]

@@ -34,10 +34,9 @@ from megatron_bubblespec.config import ConfigError, load_config
 from megatron_bubblespec.loop.bench import (compare, compare_steps, finished_run,
                                              steady_state_first_step, token_mismatch)
 from megatron_bubblespec.machine import machine_info
-from megatron_bubblespec.metrics import read_metrics, to_json
+from megatron_bubblespec.metrics import to_json
 from megatron_bubblespec.metrics.formatting import value
 from megatron_bubblespec.metrics.reduce import mean_of, pooled_ratio
-from megatron_bubblespec.metrics.rollouts import read_rollouts
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -307,7 +306,7 @@ def run_study(study: str, args, variants: Sequence[Variant]) -> dict:
               "runs": []}
     offs: dict[tuple[str, ...], dict] = {}
     broken: dict[tuple[str, ...], RunFailed] = {}  # off runs that failed: not tried twice
-    done = finished_runs(out / "results.json", offs) if args.resume else {}
+    done = finished_runs(out / "results.json") if args.resume else {}
     print(f"{study}: {len(variants)} variants, {len({tuple(v.off_overrides) for v in variants})} "
           f"off run(s), config {args.config}; logs under {runs_dir}", flush=True)
     result["failed"] = []
@@ -351,21 +350,12 @@ def _steady_from(args, base: Sequence[str], overrides: Sequence[str]) -> int:
     return steady_state_first_step(load(args.config, [*base, *overrides, "spec.enabled=true"]))
 
 
-def finished_runs(path: Path, offs: dict) -> dict[str, dict]:
-    """--resume: label -> summary of the variants ``path`` (a results.json) holds; their off runs
-    (records and rollouts read back from their run directories) go into ``offs``."""
+def finished_runs(path: Path) -> dict[str, dict]:
+    """--resume: label -> summary of the variants ``path`` (a results.json) holds (their off runs
+    are found again by :func:`reusable_off_run`)."""
     if not path.is_file():
         return {}
-    done = {s["label"]: s for s in json.loads(path.read_text())["runs"]}
-    for s in done.values():
-        key = tuple(s["off_overrides"])
-        if key not in offs:
-            run_dir = Path(s["run_off"])
-            offs[key] = {"name": run_dir.name, "dir": str(run_dir),
-                         "records": read_metrics(run_dir), "rollouts": read_rollouts(run_dir),
-                         "wall_s": s["wall_off_s"], "loadavg_before": s["loadavg_off"][0],
-                         "loadavg_after": s["loadavg_off"][1]}
-    return done
+    return {s["label"]: s for s in json.loads(path.read_text())["runs"]}
 
 
 class RunFailed(Exception):
