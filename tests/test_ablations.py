@@ -18,7 +18,7 @@ ENV = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING
 
 
 @pytest.mark.slow
-def test_continuation_study_writes_table_plot_and_results(tmp_path):
+def test_continuation_study_writes_table_plot_and_results(tmp_path, monkeypatch):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--config", "configs/tiny.yaml",
                            "--out", str(tmp_path), "--steps", "4", "--continuation", "",
                            "--sources", "bubble+siblings"],
@@ -63,6 +63,32 @@ def test_continuation_study_writes_table_plot_and_results(tmp_path):
     assert "spec.draft_order=stragglers" in order["overrides"]
     assert order["token_mismatch"] == 0
     assert not list((tmp_path / "02_draft_budget" / "runs").glob("off-*"))
+
+    # A resumed study stopped part-way (here: one new variant fails, the next is interrupted
+    # before the kept one is reached) still lists the kept run in its results.json.
+    monkeypatch.syspath_prepend(str(ROOT / "scripts" / "ablations"))
+    import runner
+
+    def attempt(config, overrides, runs_dir, name):
+        if "spec.proposal_sources=[self]" in overrides:
+            raise runner.RunFailed(name, "stopped by the test", "")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "_attempt", attempt)
+    args = runner.parser("").parse_args(["--config", str(ROOT / "configs" / "tiny.yaml"),
+                                         "--out", str(tmp_path), "--steps", "4", "--resume"])
+    runner.learning_defaults(args)
+    variants = [runner.Variant(label, ["spec.speculative_continuation=true",
+                                       f"spec.proposal_sources=[{sources}]"])
+                for label, sources in (("continuation from self", "self"),
+                                       ("continuation from prompt", "prompt"),
+                                       ("continuation from bubble+siblings", "bubble,siblings"))]
+    with pytest.raises(KeyboardInterrupt):
+        runner.run_study("06_continuation", args, variants)
+    resumed = json.loads((out / "results.json").read_text())
+    assert [r["label"] for r in resumed["runs"]] == ["continuation from bubble+siblings"]
+    assert resumed["runs"][0]["run_on"] == run["run_on"]
+    assert [f["label"] for f in resumed["failed"]] == ["continuation from self"]
 
 
 def test_an_off_run_of_another_seed_is_not_reused(tmp_path, monkeypatch):

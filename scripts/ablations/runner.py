@@ -306,15 +306,19 @@ def run_study(study: str, args, variants: Sequence[Variant]) -> dict:
               "runs": []}
     offs: dict[tuple[str, ...], dict] = {}
     broken: dict[tuple[str, ...], RunFailed] = {}  # off runs that failed: not tried twice
+    # --resume: the runs kept from the study's last results.json are in it from the start, so
+    # stopping this study part-way never drops them; new runs take their places in variant order
     done = finished_runs(out / "results.json") if args.resume else {}
+    summaries = {v.label: with_series_numbers(done[v.label], steady_from[v.label])
+                 for v in variants if v.label in done}
+    result["runs"] = list(summaries.values())
     print(f"{study}: {len(variants)} variants, {len({tuple(v.off_overrides) for v in variants})} "
           f"off run(s), config {args.config}; logs under {runs_dir}", flush=True)
     result["failed"] = []
     for i, v in enumerate(variants):
         key = tuple(v.off_overrides)
-        if v.label in done:
+        if v.label in summaries:
             print(f"  {v.label}: kept from the previous run of the study", flush=True)
-            result["runs"].append(with_series_numbers(done[v.label], steady_from[v.label]))
             continue
         try:
             if key in broken:
@@ -333,10 +337,11 @@ def run_study(study: str, args, variants: Sequence[Variant]) -> dict:
                     raise
             on = _attempt(args.config, [*base, *v.overrides, "spec.enabled=true"], runs_dir,
                           f"on-{i}-{_slug(v.label)}")
-            result["runs"].append(summarize(v, on, offs[key], steady_from[v.label]))
+            summaries[v.label] = summarize(v, on, offs[key], steady_from[v.label])
         except RunFailed as err:
             result["failed"].append({"label": v.label, "overrides": v.overrides, "run": err.run,
                                      "error": err.message, "log": err.log})
+        result["runs"] = [summaries[u.label] for u in variants if u.label in summaries]
         result["machine"] = {**machine_info(), "started": started.isoformat(timespec="seconds"),
                              "wall_s": time.perf_counter() - t0}
         write_json(out / "results.json", result)
