@@ -446,6 +446,11 @@ def test_preflight_too_few_prompts(tmp_path):
     with pytest.raises(PreflightError, match=r"has 2 prompt\(s\), fewer than "
                                              r"rollout\.prompts_per_step=4"):
         preflight(_cfg("model.path=smollm2", "data.task=jsonl", f"data.path={path}"))
+    path = _write(tmp_path / "eight.jsonl", [GOOD] * 8)
+    with pytest.raises(PreflightError, match=r"eight\.jsonl' with data\.max_prompts=3 has 3 "
+                                             r"prompt\(s\), fewer than rollout\.prompts_per_step=4"):
+        preflight(_cfg("model.path=smollm2", "data.task=jsonl", f"data.path={path}",
+                       "data.max_prompts=3"))
 
 
 def test_preflight_tokens_outside_the_vocabulary():

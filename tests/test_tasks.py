@@ -200,3 +200,32 @@ def test_arithmetic_word_task(tokenizer):
         pytest.approx(0.1)
     with pytest.raises(ValueError, match=r"prompt 'arith-2-0' has \d+ tokens"):
         ArithmeticWordTask(seed=2, size=4, tokenizer=tokenizer, max_prompt_tokens=10).prompt(0)
+
+
+def test_data_max_prompts_cuts_gsm8k_to_its_first_prompts_so_they_recur():
+    """data.max_prompts=8 with 2 prompts per step: the run sees GSM8K's first 8 questions, each
+    once every 4 steps (the history source needs prompts that come back)."""
+    from megatron_bubblespec.config import load_config
+    from megatron_bubblespec.data.lookahead import LookaheadSampler
+    from megatron_bubblespec.data.tasks import task_from_config
+
+    cfg = load_config("configs/default.yaml", ["data.max_prompts=8"])
+    whole = task_from_config(load_config("configs/default.yaml", []), 49152)
+    task = task_from_config(cfg, 49152)
+    assert (task.size, whole.size) == (8, 7473)
+    assert task.prompt(7) == whole.prompt(7)
+    with pytest.raises(IndexError, match="out of range 0..7"):
+        task.prompt(8)
+    sampler = LookaheadSampler(cfg.run.seed, task.size, cfg.rollout.prompts_per_step, dp_size=2)
+    steps = [sampler.batch(step).prompt_indices for step in range(16)]
+    seen = [i for indices in steps for i in indices]
+    assert sorted(seen) == sorted(list(range(8)) * 4)
+    assert all(sorted(i for s in steps[4 * e:4 * e + 4] for i in s) == list(range(8))
+               for e in range(4))
+
+
+def test_data_max_prompts_must_not_be_negative():
+    from megatron_bubblespec.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"data.max_prompts=-1 must be >= 0 \(0: every prompt"):
+        load_config("configs/default.yaml", ["data.max_prompts=-1"])

@@ -255,6 +255,9 @@ def _check_data(cfg: Config) -> None:
                           f"{d.task!r} has its own data); set data.task=jsonl or drop data.path")
     if d.max_prompt_tokens < 1:
         raise ConfigError(f"data.max_prompt_tokens={d.max_prompt_tokens} must be >= 1")
+    if d.max_prompts < 0:
+        raise ConfigError(f"data.max_prompts={d.max_prompts} must be >= 0 (0: every prompt of "
+                          "the task)")
     if d.max_prompt_tokens + r.max_new_tokens > m.max_model_len:
         raise ConfigError(
             f"data.max_prompt_tokens + rollout.max_new_tokens = {d.max_prompt_tokens} + "

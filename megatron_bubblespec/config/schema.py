@@ -137,6 +137,8 @@ class DataConfig:
     path: str = ""                  # jsonl: a file of {"question": ..., "answer": ...} rows
     split: str = "train"
     size: int = 512                 # prompts of the synthetic tasks
+    max_prompts: int = 0            # use only the task's first N prompts (0: all); few enough and
+    #                                 a run sees each prompt again (the history proposal source)
     max_prompt_tokens: int = 256
 
 

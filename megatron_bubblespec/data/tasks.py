@@ -336,8 +336,16 @@ def make_task(name: str, **kwargs) -> Task:
 
 def task_from_config(cfg, vocab_size: int) -> Task:
     """The task of a run's config (``cfg.data``, ``cfg.run.seed``) for a model of ``vocab_size``
-    tokens. The chat tasks use the tokenizer of model.path when it is a checkpoint directory,
-    SmolLM2's for model.path=smollm2 (and tiny)."""
+    tokens, cut to its first ``data.max_prompts`` prompts when that is set. The chat tasks use
+    the tokenizer of model.path when it is a checkpoint directory, SmolLM2's for
+    model.path=smollm2 (and tiny)."""
+    task = _whole_task(cfg, vocab_size)
+    if cfg.data.max_prompts:
+        task.size = min(task.size, cfg.data.max_prompts)  # every task indexes prompts < size
+    return task
+
+
+def _whole_task(cfg, vocab_size: int) -> Task:
     data = cfg.data
     name = CONFIG_TASKS[data.task]
     if name == "synthetic_arithmetic":

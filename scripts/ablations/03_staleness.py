@@ -4,8 +4,8 @@ updates old; SPEC-RL-like drafts are the prompt's responses from the previous ep
 (spec.draft_source=previous_epoch), older still and drawn with another step's sampling keys.
 
 So that the previous-epoch variant has drafts within a short run, every run (off runs included)
-uses a dataset of ``--epoch-steps`` steps' worth of prompts (data.size = epoch_steps x
-rollout.prompts_per_step; 0 keeps the config's). All variants share one off run.
+uses the task's first ``--epoch-steps`` steps' worth of prompts (data.max_prompts = epoch_steps
+x rollout.prompts_per_step; 0 keeps the config's). All variants share one off run.
 
     python scripts/ablations/03_staleness.py [--config configs/tiny.yaml] [--steps N]
         [--lookahead 1,2,3] [--no-previous-epoch] [--epoch-steps 2] [dotted overrides...]
@@ -35,7 +35,7 @@ def main(argv=None) -> None:
     runner.learning_defaults(args, min_steps=8)
     if args.epoch_steps:
         prompts = runner.load(args.config, runner.base_overrides(args)).rollout.prompts_per_step
-        args.overrides = [f"data.size={args.epoch_steps * prompts}", *args.overrides]
+        args.overrides = [f"data.max_prompts={args.epoch_steps * prompts}", *args.overrides]
     variants = [runner.Variant(f"{k} step{'s' * (k > 1)} old",
                                ["spec.draft_source=bubble", f"spec.draft_lookahead={k}"])
                 for k in args.lookahead]

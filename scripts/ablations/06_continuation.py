@@ -10,8 +10,8 @@ prefix one token per step.
 `all` is every source), each counted apart in the continuation columns. `--proposal-token-cost`
 adds one continuation-on variant per cost (`null`: every sample with a match proposes
 spec.spec_k tokens, adaptive k off; a number: each proposes the tokens that pay at its recent
-acceptance). The history source proposes only when prompts recur within the run (data.size small
-enough; say so in the table).
+acceptance). The history source proposes only when prompts recur within the run (pass
+data.max_prompts=N, few enough prompts; say so in the table).
 All variants share one plain synchronous baseline run (`--min-match` adds continuation-on
 variants with other spec.min_match values; spec.* keys only, so they share it too). Exactness
 holds either way: token mismatch must be 0. The runs use the config's rollout.engine: both
