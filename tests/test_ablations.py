@@ -1,7 +1,8 @@
 """The ablation scripts end to end: study 6 (speculative continuation) on configs/tiny.yaml with a
 one-point grid (one source set) and 4 steps, in a subprocess as a user runs it -> results.json,
 table.md with the learning-rate and drift columns, plot.png, and no token mismatch against the
-plain run; then study 2 (one draft-order variant) under the same --out reuses that plain run."""
+plain run; then study 2 (one draft-order variant) under the same --out reuses that plain run, and
+a resumed study 6 stopped part-way keeps the run it had."""
 
 import json
 import os

@@ -1,7 +1,9 @@
 """Tasks: synthetic prompts and shaped rewards (perfect, partial, format, variance under a random
-policy), chat prompts and rewards with SmolLM2's tokenizer, factory and prompt-length errors."""
+policy), chat prompts and rewards with SmolLM2's tokenizer, factory and prompt-length errors,
+data.max_prompts (a task cut to its first prompts)."""
 
 import random
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +20,9 @@ from megatron_bubblespec.data.tasks import (
     has_marked_answer,
     make_task,
 )
+
+
+DEFAULT = str(Path(__file__).resolve().parents[1] / "configs" / "default.yaml")
 
 
 def digits(number):
@@ -209,8 +214,8 @@ def test_data_max_prompts_cuts_gsm8k_to_its_first_prompts_so_they_recur():
     from megatron_bubblespec.data.lookahead import LookaheadSampler
     from megatron_bubblespec.data.tasks import task_from_config
 
-    cfg = load_config("configs/default.yaml", ["data.max_prompts=8"])
-    whole = task_from_config(load_config("configs/default.yaml", []), 49152)
+    cfg = load_config(DEFAULT, ["data.max_prompts=8"])
+    whole = task_from_config(load_config(DEFAULT, []), 49152)
     task = task_from_config(cfg, 49152)
     assert (task.size, whole.size) == (8, 7473)
     assert task.prompt(7) == whole.prompt(7)
@@ -228,4 +233,4 @@ def test_data_max_prompts_must_not_be_negative():
     from megatron_bubblespec.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"data.max_prompts=-1 must be >= 0 \(0: every prompt"):
-        load_config("configs/default.yaml", ["data.max_prompts=-1"])
+        load_config(DEFAULT, ["data.max_prompts=-1"])
