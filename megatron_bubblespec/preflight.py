@@ -371,5 +371,6 @@ def _check_vocab(cfg: Config, task, prompts: list, vocab_size: int) -> None:
 def _source(cfg: Config) -> str:
     source = (f"data.path={cfg.data.path!r}" if cfg.data.task == "jsonl" else
               f"data.task={cfg.data.task}")
-    return f"{source} with data.max_prompts={cfg.data.max_prompts}" if cfg.data.max_prompts \
-        else source
+    if cfg.data.max_prompts:
+        source += f" with data.max_prompts={cfg.data.max_prompts}"
+    return source
