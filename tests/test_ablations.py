@@ -1,8 +1,8 @@
 """The ablation scripts end to end: study 6 (speculative continuation) on configs/tiny.yaml with a
 one-point grid (one source set) and 4 steps, in a subprocess as a user runs it -> results.json,
-table.md with the learning-rate and drift columns, plot.png, and no token mismatch against the
-plain run; then study 2 (one draft-order variant) under the same --out reuses that plain run, and
-a resumed study 6 stopped part-way keeps the run it had."""
+table.md with the learning-rate and drift columns, plot.png, no token mismatch against the plain
+run, and each run's console in its own log; then study 2 (one draft-order variant) under the same
+--out reuses that plain run, and a resumed study 6 stopped part-way keeps the run it had."""
 
 import json
 import os
@@ -49,6 +49,12 @@ def test_continuation_study_writes_table_plot_and_results(tmp_path, monkeypatch)
     assert run["steady_from"] == 3 and steady["steps_compared"] == 1
     assert steady["decode_steps_ratio"] == pytest.approx(
         on3["rollout/decode_steps"] / off3["rollout/decode_steps"])
+
+    # Each run's console log is its own (the ranks of every run after the first once wrote to
+    # the first run's log: they start from a fork server, with the files it started with).
+    for mine, other in ((run["run_on"], run["run_off"]), (run["run_off"], run["run_on"])):
+        log = Path(f"{mine}.log").read_text()
+        assert f"run directory: {mine} " in log and f"run directory: {other} " not in log
 
     # Another study of the same seed and steps finds that plain run and runs only its on run.
     proc = subprocess.run([sys.executable, str(BUDGET), "--config", "configs/tiny.yaml",

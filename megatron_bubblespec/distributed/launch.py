@@ -73,7 +73,7 @@ def launch_local(fn, world_size: int, *args, env: dict | None = None) -> list:
                                                         rank_env, args),
                                      nprocs=world_size, join=False,
                                      start_method=_start_method())
-        previous = _forward_signals([p.pid for p in context.processes])
+        previous = forward_signals([p.pid for p in context.processes])
         try:
             while not context.join(timeout=0.5):
                 pass
@@ -105,7 +105,7 @@ def _start_method() -> str:
     return method
 
 
-def _forward_signals(pids: list[int]) -> dict:
+def forward_signals(pids: list[int]) -> dict:
     """Relay preemption signals from this process to the ranks; return the old handlers."""
     if threading.current_thread() is not threading.main_thread():
         return {}

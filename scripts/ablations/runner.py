@@ -18,12 +18,13 @@ run again: the studies of one seed share one plain run. Tables and plots of the 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import math
 import os
 import re
+import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,8 +32,10 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from megatron_bubblespec.config import ConfigError, load_config
+from megatron_bubblespec.distributed.launch import forward_signals
 from megatron_bubblespec.loop.bench import (compare, compare_steps, finished_run,
                                              steady_state_first_step, token_mismatch)
+from megatron_bubblespec.loop.heartbeat import EXIT_PREEMPTED
 from megatron_bubblespec.machine import machine_info
 from megatron_bubblespec.metrics import to_json
 from megatron_bubblespec.metrics.formatting import value
@@ -134,26 +137,6 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", text).strip("_") or "run"
 
 
-@contextlib.contextmanager
-def _console_to(path: Path):
-    """Send this process's stdout/stderr (and the rank processes it spawns) to ``path``."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    with open(path, "w") as log:
-        os.dup2(log.fileno(), 1)
-        os.dup2(log.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            os.close(saved[0])
-            os.close(saved[1])
-
-
 def load(config: str, overrides: Sequence[str]):
     """The validated Config of ``config`` + ``overrides``; a config error ends the script."""
     try:
@@ -170,22 +153,43 @@ def _loadavg() -> list[float] | None:
 
 
 def train_run(config: str, overrides: Sequence[str], runs_dir: Path, name: str) -> dict:
-    """One training run (its console output to runs_dir/name.log) -> records, rollouts, timing."""
-    from megatron_bubblespec.loop.train import train
-
-    cfg = load(config, [*overrides, f"run.output_dir={runs_dir}", f"run.name={name}"])
+    """One training run, ``bubblespec train`` in a process of its own (its console and its ranks'
+    to runs_dir/name.log) -> records, rollouts, timing. A process per run, not ``train()`` here:
+    the ranks start from their launcher's fork server and write to the files it was started with,
+    so in one process every run's console would go to the first run's log; and every run pays the
+    same start-up. Preemption signals sent to the study reach the run (it checkpoints and stops)
+    and stop the study: rerun it with --resume."""
+    run = [f"run.output_dir={runs_dir}", f"run.name={name}"]
+    cfg = load(config, [*overrides, *run])
     runs_dir.mkdir(parents=True, exist_ok=True)
     print(f"  run {name}: {' '.join(o for o in overrides if o not in QUIET)}", flush=True)
     load_before, t0 = _loadavg(), time.perf_counter()
-    with _console_to(runs_dir / f"{name}.log"):
-        out = train(cfg)
+    log_path = runs_dir / f"{name}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "megatron_bubblespec.cli", "train",
+                                 "--config", config, *overrides, *run],
+                                stdout=log, stderr=subprocess.STDOUT)
+        previous = forward_signals([proc.pid])
+        try:
+            code = proc.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     wall = time.perf_counter() - t0
+    if code == EXIT_PREEMPTED or code < 0 or code > 128:
+        raise SystemExit(f"{name}: stopped by a signal (exit code {code}; log: {log_path}); "
+                         "the finished runs are in results.json: rerun the study with --resume")
+    if code != 0:
+        said = [line for line in log_path.read_text(errors="replace").splitlines() if line.strip()]
+        raise RuntimeError(f"exit code {code}: {said[-1] if said else 'no output'}")
+    found = finished_run(cfg)
+    if found is None:
+        raise RuntimeError(f"the run ended without the records of all {cfg.run.steps} steps")
     print(f"    {wall:.0f} s (load average before {load_before}, after {_loadavg()})", flush=True)
     timing = {"wall_s": wall, "loadavg_before": load_before, "loadavg_after": _loadavg()}
     (runs_dir / f"{name}.timing.json").write_text(json.dumps(timing) + "\n")
-    return {"name": name, "dir": str(runs_dir / name), "records": out["records"],
-            "rollouts": out["rollouts"], **timing, "lr_config": cfg.train.lr,
-            "steps": cfg.run.steps}
+    return {"name": name, "dir": str(runs_dir / name), **found, **timing,
+            "lr_config": cfg.train.lr, "steps": cfg.run.steps}
 
 
 def reusable_off_run(out: Path, config: str, overrides: Sequence[str]) -> dict | None:
@@ -374,7 +378,7 @@ def _attempt(config: str, overrides: Sequence[str], runs_dir: Path, name: str) -
     run) does not stop the study; its variants are listed as failed in the table."""
     try:
         return train_run(config, overrides, runs_dir, name)
-    except Exception as err:  # a rank's traceback arrives as the exception's text
+    except Exception as err:  # a failed run: its exit code and its log's last line
         lines = [line for line in str(err).strip().splitlines() if line.strip()]
         message = lines[-1] if lines else type(err).__name__
         print(f"    FAILED: {message} (log: {runs_dir / name}.log)", flush=True)
