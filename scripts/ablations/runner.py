@@ -185,8 +185,9 @@ def train_run(config: str, overrides: Sequence[str], runs_dir: Path, name: str) 
     found = finished_run(cfg)
     if found is None:
         raise RuntimeError(f"the run ended without the records of all {cfg.run.steps} steps")
-    print(f"    {wall:.0f} s (load average before {load_before}, after {_loadavg()})", flush=True)
     timing = {"wall_s": wall, "loadavg_before": load_before, "loadavg_after": _loadavg()}
+    print(f"    {wall:.0f} s (load average before {load_before}, after {timing['loadavg_after']})",
+          flush=True)
     (runs_dir / f"{name}.timing.json").write_text(json.dumps(timing) + "\n")
     return {"name": name, "dir": str(runs_dir / name), **found, **timing,
             "lr_config": cfg.train.lr, "steps": cfg.run.steps}
