@@ -2,12 +2,15 @@
 one-point grid (one source set) and 4 steps, in a subprocess as a user runs it -> results.json,
 table.md with the learning-rate and drift columns, plot.png, no token mismatch against the plain
 run, and each run's console in its own log; then study 2 (one draft-order variant) under the same
---out reuses that plain run, and a resumed study 6 stopped part-way keeps the run it had."""
+--out reuses that plain run, and a resumed study 6 stopped part-way keeps the run it had; a
+SIGTERM to a study checkpoints the run it is running and stops the study."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -133,3 +136,34 @@ def test_continuation_study_refuses_an_unknown_source_before_any_run(tmp_path):
     assert proc.returncode == 2
     assert "--sources self+elsewhere: unknown ['elsewhere']" in proc.stderr
     assert not (tmp_path / "06_continuation").exists()
+
+
+@pytest.mark.slow
+def test_a_signal_to_the_study_checkpoints_its_run_and_stops_the_study(tmp_path):
+    """SIGTERM to a study (a preempted job) reaches the run it is running: the run finishes its
+    step, checkpoints and exits 75, and the study stops at once with a message that names
+    --resume, rather than going on to the next run or waiting out the run."""
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--config", "configs/tiny.yaml",
+                             "--out", str(tmp_path), "--steps", "40", "--continuation", "",
+                             "--sources", "self"],
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    runs = tmp_path / "06_continuation" / "runs"
+    try:
+        deadline = time.monotonic() + 240
+        while not any(m.stat().st_size for m in runs.glob("off-*/metrics.jsonl")):
+            assert proc.poll() is None and time.monotonic() < deadline, "no step was recorded"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, stdout[-3000:] + stderr[-3000:]
+    [run] = runs.glob("off-*/metrics.jsonl")
+    assert f"{run.parent.name}: stopped by a signal (exit code 75;" in stderr
+    assert "rerun the study with --resume" in stderr
+    steps = [json.loads(line)["step"] for line in run.read_text().splitlines()]
+    assert 1 <= len(steps) < 40
+    assert (run.parent / "checkpoints" / f"step_{len(steps)}" / "COMPLETE").is_file()
+    assert not list(runs.glob("on-*"))  # the study did not go on to the next run
