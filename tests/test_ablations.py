@@ -22,7 +22,7 @@ ENV = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING
 
 
 @pytest.mark.slow
-def test_continuation_study_writes_table_plot_and_results(tmp_path, monkeypatch):
+def test_continuation_study_writes_table_plot_and_results(tmp_path, monkeypatch, capsys):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--config", "configs/tiny.yaml",
                            "--out", str(tmp_path), "--steps", "4", "--continuation", "",
                            "--sources", "bubble+siblings"],
@@ -80,7 +80,7 @@ def test_continuation_study_writes_table_plot_and_results(tmp_path, monkeypatch)
     import runner
 
     def attempt(config, overrides, runs_dir, name):
-        if "spec.proposal_sources=[self]" in overrides:
+        if "spec.proposal_sources=[self]" in overrides or "run.steps=5" in overrides:
             raise runner.RunFailed(name, "stopped by the test", "")
         raise KeyboardInterrupt
 
@@ -99,6 +99,21 @@ def test_continuation_study_writes_table_plot_and_results(tmp_path, monkeypatch)
     assert [r["label"] for r in resumed["runs"]] == ["continuation from bubble+siblings"]
     assert resumed["runs"][0]["run_on"] == run["run_on"]
     assert [f["label"] for f in resumed["failed"]] == ["continuation from self"]
+
+    # Resumed with another grid (another --seeds list, say), the kept run outside it stays in
+    # results.json, after this grid's; resumed with another --steps, no run is kept.
+    runner.run_study("06_continuation", args, variants[:1])
+    widened = json.loads((out / "results.json").read_text())
+    assert [r["label"] for r in widened["runs"]] == ["continuation from bubble+siblings"]
+    assert widened["runs"][0]["steady_state"]["decode_steps_ratio"] == pytest.approx(
+        run["steady_state"]["decode_steps_ratio"])
+    assert "continuation from bubble+siblings: kept from the previous run of the study (not in " \
+           "this grid)" in capsys.readouterr().out
+    args.steps = 5
+    with pytest.raises(SystemExit, match="every run failed"):
+        runner.run_study("06_continuation", args, variants[:1])
+    assert "none of its runs is kept" in capsys.readouterr().out
+    assert json.loads((out / "results.json").read_text())["runs"] == []
 
 
 def test_an_off_run_of_another_seed_is_not_reused(tmp_path, monkeypatch):

@@ -89,7 +89,8 @@ def parser(doc: str) -> argparse.ArgumentParser:
                         "its own off run); table.md then adds the mean over seeds")
     p.add_argument("--resume", action="store_true",
                    help="keep the variants an interrupted run of the study finished (by label, "
-                        "from its results.json and run directories) and run the rest")
+                        "from its results.json and run directories) and run the rest; its runs "
+                        "outside this grid (other --seeds) stay in the table")
     p.add_argument("--render-only", action="store_true",
                    help="start no run: redraw table.md and plot.png from the study's results.json")
     p.add_argument("--dry-run", action="store_true",
@@ -312,13 +313,19 @@ def run_study(study: str, args, variants: Sequence[Variant]) -> dict:
     offs: dict[tuple[str, ...], dict] = {}
     broken: dict[tuple[str, ...], RunFailed] = {}  # off runs that failed: not tried twice
     # --resume: the runs kept from the study's last results.json are in it from the start, so
-    # stopping this study part-way never drops them; new runs take their places in variant order
-    done = finished_runs(out / "results.json") if args.resume else {}
+    # stopping this study part-way never drops them; new runs take their places in variant order,
+    # and kept runs outside this grid (another --seeds list, another grid point) follow them
+    done = finished_runs(out / "results.json", base) if args.resume else {}
     summaries = {v.label: with_series_numbers(done[v.label], steady_from[v.label])
                  for v in variants if v.label in done}
-    result["runs"] = list(summaries.values())
+    beyond = [with_series_numbers(s, _steady_from(args, base, s["overrides"]))
+              for label, s in done.items() if label not in steady_from]
+    result["runs"] = [*summaries.values(), *beyond]
     print(f"{study}: {len(variants)} variants, {len({tuple(v.off_overrides) for v in variants})} "
           f"off run(s), config {args.config}; logs under {runs_dir}", flush=True)
+    for s in beyond:
+        print(f"  {s['label']}: kept from the previous run of the study (not in this grid)",
+              flush=True)
     result["failed"] = []
     for i, v in enumerate(variants):
         key = tuple(v.off_overrides)
@@ -346,7 +353,8 @@ def run_study(study: str, args, variants: Sequence[Variant]) -> dict:
         except RunFailed as err:
             result["failed"].append({"label": v.label, "overrides": v.overrides, "run": err.run,
                                      "error": err.message, "log": err.log})
-        result["runs"] = [summaries[u.label] for u in variants if u.label in summaries]
+        result["runs"] = [*(summaries[u.label] for u in variants if u.label in summaries),
+                          *beyond]
         result["machine"] = {**machine_info(), "started": started.isoformat(timespec="seconds"),
                              "wall_s": time.perf_counter() - t0}
         write_json(out / "results.json", result)
@@ -360,12 +368,19 @@ def _steady_from(args, base: Sequence[str], overrides: Sequence[str]) -> int:
     return steady_state_first_step(load(args.config, [*base, *overrides, "spec.enabled=true"]))
 
 
-def finished_runs(path: Path) -> dict[str, dict]:
+def finished_runs(path: Path, base: Sequence[str]) -> dict[str, dict]:
     """--resume: label -> summary of the variants ``path`` (a results.json) holds (their off runs
-    are found again by :func:`reusable_off_run`)."""
+    are found again by :func:`reusable_off_run`); none when that study ran with other base
+    overrides (--steps, --lr, dotted overrides): its runs are not this grid's points."""
     if not path.is_file():
         return {}
-    return {s["label"]: s for s in json.loads(path.read_text())["runs"]}
+    previous = json.loads(path.read_text())
+    if previous["base_overrides"] != list(base):
+        print(f"--resume: {path} ran with {' '.join(previous['base_overrides']) or '(none)'}, "
+              f"not {' '.join(base) or '(none)'}; none of its runs is kept (it is rewritten as "
+              "this study runs)", flush=True)
+        return {}
+    return {s["label"]: s for s in previous["runs"]}
 
 
 class RunFailed(Exception):
