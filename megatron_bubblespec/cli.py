@@ -77,9 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="show every library's warnings and logs on the terminal (else the "
                             "known-harmless ones go to <run dir>/logs/)")
     train.set_defaults(func=cmd_train)
-    from megatron_bubblespec.loop.bench import add_bench_parser
-    from megatron_bubblespec.rollout.bench import add_bench_engine_parser
-    from megatron_bubblespec.sim.cli import add_simulate_parser
+    from megatron_bubblespec.measure.bench import add_bench_parser
+    from megatron_bubblespec.measure.engine_bench import add_bench_engine_parser
+    from megatron_bubblespec.measure.sim.cli import add_simulate_parser
 
     add_bench_parser(sub)
     add_bench_engine_parser(sub)

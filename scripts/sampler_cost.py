@@ -39,7 +39,7 @@ def main() -> None:
 
     from vllm.v1.sample.sampler import Sampler
 
-    from megatron_bubblespec.rollout.bench import (_prompt_plan, model_info, resolved_model,
+    from megatron_bubblespec.measure.engine_bench import (_prompt_plan, model_info, resolved_model,
                                                    start_engine, time_run)
     from megatron_bubblespec.sampling import SamplingParams
 

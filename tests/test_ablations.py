@@ -37,7 +37,7 @@ def test_continuation_study_writes_table_plot_and_results(tmp_path, monkeypatch,
     assert not result["failed"]
     [run] = result["runs"]
     assert run["overrides"] == ["spec.speculative_continuation=true",
-                                "spec.proposal_sources=[bubble,siblings]"]
+                                "ablation.proposal_sources=[bubble,siblings]"]
     assert run["token_mismatch"] == 0 and run["token_mismatch_samples"] == 0
     assert run["lr"] > 0 and run["policy_drift_kl_mean"] is not None
     assert [r["step"] for r in run["series"]["on"]] == [0, 1, 2, 3]
@@ -70,7 +70,7 @@ def test_continuation_study_writes_table_plot_and_results(tmp_path, monkeypatch,
     budget = json.loads((tmp_path / "02_draft_budget" / "results.json").read_text())
     [order] = budget["runs"]
     assert order["run_off"] == run["run_off"] and order["wall_off_s"] == run["wall_off_s"]
-    assert "spec.draft_order=stragglers" in order["overrides"]
+    assert "ablation.draft_order=stragglers" in order["overrides"]
     assert order["token_mismatch"] == 0
     assert not list((tmp_path / "02_draft_budget" / "runs").glob("off-*"))
 
@@ -80,7 +80,7 @@ def test_continuation_study_writes_table_plot_and_results(tmp_path, monkeypatch,
     import runner
 
     def attempt(config, overrides, runs_dir, name):
-        if "spec.proposal_sources=[self]" in overrides or "run.steps=5" in overrides:
+        if "ablation.proposal_sources=[self]" in overrides or "run.steps=5" in overrides:
             raise runner.RunFailed(name, "stopped by the test", "")
         raise KeyboardInterrupt
 
@@ -89,7 +89,7 @@ def test_continuation_study_writes_table_plot_and_results(tmp_path, monkeypatch,
                                          "--out", str(tmp_path), "--steps", "4", "--resume"])
     runner.learning_defaults(args)
     variants = [runner.Variant(label, ["spec.speculative_continuation=true",
-                                       f"spec.proposal_sources=[{sources}]"])
+                                       f"ablation.proposal_sources=[{sources}]"])
                 for label, sources in (("continuation from self", "self"),
                                        ("continuation from prompt", "prompt"),
                                        ("continuation from bubble+siblings", "bubble,siblings"))]

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from megatron_bubblespec.config import load_config
-from megatron_bubblespec.loop.bench import (RANGED, add_bench_parser, bench, compare, compare_steps,
+from megatron_bubblespec.measure.bench import (RANGED, add_bench_parser, bench, compare, compare_steps,
                                             finished_run, markdown_summary,
                                             steady_state_first_step, token_mismatch)
 from megatron_bubblespec.data.lookahead import LookaheadSampler
 from megatron_bubblespec.loop.layout import RolloutLayout
-from megatron_bubblespec.loop.plain_replay import check_replayable, load_run, step_requests
+from megatron_bubblespec.measure.plain_replay import check_replayable, load_run, step_requests
 from megatron_bubblespec.metrics.rollouts import read_rollouts
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -205,7 +205,7 @@ def test_steady_state_is_the_same_numbers_over_the_later_steps():
 
 def test_steady_state_starts_after_the_steps_step_0s_bubble_drafts():
     assert steady_state_first_step(load_config(TINY)) == 3   # tiny.yaml: lookahead 1, horizon 2
-    cfg = load_config(TINY, ["spec.draft_lookahead=2", "spec.draft_horizon=3"])
+    cfg = load_config(TINY, ["ablation.draft_lookahead=2", "spec.draft_horizon=3"])
     assert steady_state_first_step(cfg) == 5                 # step 0 drafts steps 2, 3, 4
 
 

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from megatron_bubblespec.models.architecture import make_tiny_checkpoint  # noqa: E402
-from megatron_bubblespec.rollout.bench import (  # noqa: E402
+from megatron_bubblespec.measure.engine_bench import (  # noqa: E402
     SCHEMA_VERSION,
     TINY_CONFIG,
     _prompt_plan,

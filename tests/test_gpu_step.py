@@ -33,7 +33,7 @@ from megatron_bubblespec.models.architecture import (load_checkpoint, make_tiny_
                                                      perturb_checkpoint)
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams, gumbel_noise, sample_key
-from megatron_bubblespec.sampling.requests import RolloutRequest
+from megatron_bubblespec.sampling.requests import Proposals, RolloutRequest
 from megatron_bubblespec.spec.megatron_verifier import MegatronVerifier
 from megatron_bubblespec.tokens import pad_token_rows
 from megatron_bubblespec.train.forward import megatron_forward
@@ -153,7 +153,7 @@ def run_step(path: str, drafts_path: str, dtype_name: str, device: str = "cuda")
     for r, d, a, t in zip(requests, drafts, verdict.accepted.tolist(), verdict.next_token.tolist()):
         prefix = (d[:a] + ([t] if t >= 0 else []))[:r.max_new_tokens]
         fixed.append(RolloutRequest(r.request_id, r.prompt_token_ids, r.key, r.max_new_tokens,
-                                    response_prefix=prefix, draft_pool=[d]))
+                                    response_prefix=prefix, proposals=Proposals([d])))
     start = time.perf_counter()
     spec_results = engine.generate(fixed, PARAMS)
     timings["spec_rollout_s"] = time.perf_counter() - start

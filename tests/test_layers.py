@@ -16,8 +16,9 @@ FLOORS = [
     {"data", "train"},                      # tasks and rewards; Megatron model, GRPO, reshard
     {"spec"},                               # verification rules, drafts, the Megatron verifier
     {"rollout"},                            # engines (they verify speculative continuations)
-    {"preflight", "sim"},                   # input checks above config; the scale simulator
+    {"preflight"},                          # input checks above config
     {"loop"},                               # the synchronous step and the training loop
+    {"measure"},                            # benches, plain replay, simulator (apart from the core)
     {"cli"},
 ]
 # (importing module, imported module) pairs that break a floor today and are being removed; the

@@ -79,7 +79,7 @@ def test_drafts_verified_inside_the_rollout_give_the_off_run(engine_verified, ru
 def test_continuation_counts_add_up_over_its_sources(runs):
     """configs/tiny.yaml proposes from every source; the per-source counts sum to the totals."""
     on, off = runs
-    assert load_config(TINY).spec.proposal_sources == list(ALL_SOURCES)
+    assert load_config(TINY).ablation.proposal_sources == list(ALL_SOURCES)
     for record in on["records"]:
         for kind in ("proposed", "accepted"):
             total = record.get(f"spec/continuation_{kind}_tokens", 0)
@@ -147,10 +147,10 @@ def test_corrupted_drafts_change_no_token(runs, tmp_path):
 
 
 def test_drafts_two_steps_old_stay_exact(runs, tmp_path):
-    """spec.draft_lookahead=2: step t's bubble drafts step t+2, verified by a policy two updates
+    """ablation.draft_lookahead=2: step t's bubble drafts step t+2, verified by a policy two updates
     newer; the tokens are still the plain run's."""
     _, off = runs
-    stale = train(_cfg(tmp_path, "stale", "spec.draft_lookahead=2"))
+    stale = train(_cfg(tmp_path, "stale", "ablation.draft_lookahead=2"))
     assert stale["rollouts"] == off["rollouts"]
     assert [r["spec/drafted_tokens"] > 0 for r in stale["records"]] == [False, False, True, True]
     assert sum(r["spec/accepted_tokens"] for r in stale["records"]) > 0
@@ -189,11 +189,11 @@ def _horizon_worker(cfg):
 def test_bubbles_draft_several_steps_ahead_and_extend_partial_drafts(runs, tmp_path):
     """spec.draft_horizon=3: step 0's bubble drafts steps 1-3 at once, step 1's bubble extends the
     step-2 drafts it left partial (each later draft starts with the earlier one; running drafts
-    first, spec.draft_order=stragglers), every rank holds every rank's drafts, and the tokens are
+    first, ablation.draft_order=stragglers), every rank holds every rank's drafts, and the tokens are
     the plain run's, drafts accepted and rejected."""
     _, off = runs
     cfg = _cfg(tmp_path, "horizon", "spec.draft_horizon=3", "run.steps=4",
-               "spec.draft_order=stragglers")
+               "ablation.draft_order=stragglers")
     per_rank = launch_local(_horizon_worker, 2, cfg,
                             env={"TORCHDYNAMO_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     (rollouts0, queues, metrics0), (rollouts1, queues1, metrics1) = per_rank
@@ -220,8 +220,8 @@ def test_earlier_responses_stay_exact(tmp_path):
     # worth proposing (at T = 1 a random model's text is noise: 1,134 history tokens proposed, 0
     # accepted; greedy accepted every draft token)
     small = ("data.size=4", "run.steps=3", "rollout.temperature=0.1")
-    on = train(_cfg(tmp_path, "epoch-on", *small, "spec.draft_source=previous_epoch",
-                    "spec.proposal_sources=[history]"))
+    on = train(_cfg(tmp_path, "epoch-on", *small, "ablation.draft_source=previous_epoch",
+                    "ablation.proposal_sources=[history]"))
     off = train(_cfg(tmp_path, "epoch-off", *small, "spec.enabled=false"))
     assert on["rollouts"] == off["rollouts"]
     assert [r["spec/drafted_tokens"] > 0 for r in on["records"]] == [False, True, True]

@@ -30,8 +30,8 @@ pytestmark = pytest.mark.timeout(1800)
 STEPS = 3   # step 0 has nothing to verify; steps 1 and 2 verify drafts made in the bubbles before
 
 LAYOUTS = {   # name -> (overrides, engines); every layout runs 4 ranks
-    # the running partial drafts claimed first (spec.draft_order)
-    "pp2": (("parallel.pipeline=2", "parallel.data=2", "spec.draft_order=stragglers"), 4),
+    # the running partial drafts claimed first (ablation.draft_order)
+    "pp2": (("parallel.pipeline=2", "parallel.data=2", "ablation.draft_order=stragglers"), 4),
     # with each engine verifying its share's drafts inside its rollout, and bubbles taking new
     # drafting requests only up to 32 prefill tokens an engine step (spec.draft_prefill_tokens)
     "tp2": (("parallel.tensor=2", "parallel.data=2", "spec.verifier=engine",

@@ -148,7 +148,7 @@ def test_every_listed_metric_has_one_rule():
     listed = set(SUMMED) | set(MAXED) | set(MEANED) | set(DERIVED)
     assert len(listed) == len(SUMMED) + len(MAXED) + len(MEANED) + len(DERIVED)
     assert listed | {"spec/accepted_prefix_mean", "exact/weight_version"} <= set(rec)
-    # measured per engine at start-up (spec.measure_proposal_cost); an engine without one is left out
+    # measured per engine at start-up (ablation.measure_proposal_cost); an engine without one is left out
     assert close(rec["spec/proposal_token_cost"], 0.3)
 
 

@@ -9,7 +9,7 @@ from megatron_bubblespec.models.architecture import (
     make_tiny_checkpoint,
     perturb_checkpoint,
 )
-from megatron_bubblespec.sampling.requests import RolloutRequest
+from megatron_bubblespec.sampling.requests import Proposals, RolloutRequest
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams, keyed_sample, sample_key
 from megatron_bubblespec.spec.pool import DraftPool
@@ -47,7 +47,7 @@ def _requests(prompts, *, step=1, max_new=NEW_TOKENS, prefixes=None, pools=None)
     prefixes = prefixes or [[] for _ in prompts]
     pools = pools or [[] for _ in prompts]
     return [RolloutRequest(f"s{i}", p, sample_key(7, step, i, 0), max_new,
-                           response_prefix=list(prefix), draft_pool=pool)
+                           response_prefix=list(prefix), proposals=Proposals(pool))
             for i, (p, prefix, pool) in enumerate(zip(prompts, prefixes, pools))]
 
 

@@ -67,7 +67,7 @@ def test_killed_after_step_two_resumes_to_identical_tokens_and_weights(uninterru
     """Drafts are made two steps ahead here, so pending drafts of two future steps cross the
     checkpoint; the tokens must still be the uninterrupted run's."""
     tmp, full, result = uninterrupted
-    lookahead = "spec.draft_lookahead=2"
+    lookahead = "ablation.draft_lookahead=2"
     proc = _start(tmp, "killed", "run.checkpoint_every=1", "run.keep_checkpoints=2", lookahead)
     run = tmp / "killed"
     _wait_for(lambda: (run / "checkpoints" / "step_2" / COMPLETE).is_file(), proc, 600,

@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_bubblespec.sim.calibrate import (calibrate, calibration_check, expected_accepted,
+from megatron_bubblespec.measure.sim.calibrate import (calibrate, calibration_check, expected_accepted,
                                                fit_accept_prob, fit_capped_lengths,
                                                fit_continuation, fit_engine_from_bench,
                                                fit_jitter, fit_lengths, grid_accept_prob)
-from megatron_bubblespec.sim.drafting import draft_in_bubble
-from megatron_bubblespec.sim.model import (EngineCosts, LengthModel, Setting, StepCosts,
+from megatron_bubblespec.measure.sim.drafting import draft_in_bubble
+from megatron_bubblespec.measure.sim.model import (EngineCosts, LengthModel, Setting, StepCosts,
                                            continued_decode_steps, drafting_order, simulate)
 
 DATA = Path(__file__).parent / "data" / "sim"
@@ -175,7 +175,7 @@ def test_calibration_reproduces_the_measured_two_rank_bench():
 def test_the_on_runs_config_names_the_spec_settings(tmp_path):
     """bench --resume may pair an on run with an off run made under other spec settings: the
     calibration reads the on run's config where it has one, else the off run's."""
-    from megatron_bubblespec.sim.calibrate import bench_config
+    from megatron_bubblespec.measure.sim.calibrate import bench_config
 
     off_text = (DATA / "default" / "smollm2-gsm8k-off" / "config.yaml").read_text()
     bench = {"name": "smollm2-gsm8k", "config": "configs/default.yaml", "overrides": []}
@@ -242,7 +242,7 @@ def test_simulate_cli_names_a_missing_bench(tmp_path, capsys):
 def test_continuation_saves_decode_steps_past_the_verified_prefix():
     """Same lengths and acceptance: continuation over the covered rest of each response
     decodes fewer steps than the prefix alone."""
-    from megatron_bubblespec.sim.model import tokens_per_continuation_step
+    from megatron_bubblespec.measure.sim.model import tokens_per_continuation_step
 
     assert tokens_per_continuation_step(1.0, 4) == 5.0
     assert tokens_per_continuation_step(0.0, 4) == 1.0
@@ -320,8 +320,8 @@ def test_continuation_gain_applies_to_the_positions_past_the_draft():
 
 
 def test_predictions_carry_the_ceiling_of_their_coverage(tmp_path):
-    from megatron_bubblespec.sim.ceiling import decode_steps_ratio_ceiling
-    from megatron_bubblespec.sim.cli import predict
+    from megatron_bubblespec.measure.sim.ceiling import decode_steps_ratio_ceiling
+    from megatron_bubblespec.measure.sim.cli import predict
 
     cal = calibrate(BENCH, ENGINES)
     point = setting(accept_prob=0.95, samples_per_rank=4)
@@ -334,7 +334,7 @@ def test_predictions_carry_the_ceiling_of_their_coverage(tmp_path):
 
 
 def test_a_gpu_layout_config_gives_its_shape_on_a_cpu():
-    from megatron_bubblespec.sim.cli import config_shape
+    from megatron_bubblespec.measure.sim.cli import config_shape
 
     cfg = config_shape(Path(__file__).parents[1] / "configs" / "qwen2.5-7b-64k.yaml")
     assert cfg.parallel.data == 2
@@ -353,7 +353,7 @@ def test_kv_capacity_is_the_configs_arithmetic():
     21.99 GB at 2 x 28 x 4 x 128 x 2 B / 4 = 14,336 B a token = 1,533,900 tokens = 46 sequences
     of 32,768 (configs/qwen2.5-7b-32k.yaml). The 32B on one 141 GB GPU at 0.76: 107.16 - 65.52 -
     4 = 37.64 GB at 262,144 B = 143,585 tokens = 2 sequences of 66,048."""
-    from megatron_bubblespec.sim.memory import KNOWN_MODELS, ModelShape, kv_capacity
+    from megatron_bubblespec.measure.sim.memory import KNOWN_MODELS, ModelShape, kv_capacity
 
     c = kv_capacity(ModelShape(**QWEN_7B), 4, gpu_bytes=80e9, gpu_memory_utilization=0.36,
                     max_model_len=32768)
@@ -367,7 +367,7 @@ def test_kv_capacity_is_the_configs_arithmetic():
 
 
 def test_kv_capacity_follows_vllms_head_split():
-    from megatron_bubblespec.sim.memory import ModelShape, engine_tp_ok, kv_capacity
+    from megatron_bubblespec.measure.sim.memory import ModelShape, engine_tp_ok, kv_capacity
 
     shape = ModelShape(params=1e9, layers=2, heads=8, kv_heads=2, head_dim=64, engine_overhead=0)
     # r = 4 > 2 KV heads: each GPU keeps a whole KV head, 2 x 2 layers x 64 x 2 B
@@ -382,7 +382,7 @@ def test_kv_capacity_follows_vllms_head_split():
 
 def test_model_shape_from_a_config_json(tmp_path):
     """Qwen2.5-7B's public config.json gives its 7.62e9 parameters (7.615e9 counted)."""
-    from megatron_bubblespec.sim.memory import model_shape
+    from megatron_bubblespec.measure.sim.memory import model_shape
 
     (tmp_path / "config.json").write_text(json.dumps({
         "architectures": ["Qwen2ForCausalLM"], "vocab_size": 152064, "hidden_size": 3584,
@@ -398,7 +398,7 @@ def test_model_shape_from_a_config_json(tmp_path):
 
 
 def test_waves_appear_exactly_when_sequences_exceed_the_slots():
-    from megatron_bubblespec.sim.model import makespan_steps
+    from megatron_bubblespec.measure.sim.model import makespan_steps
 
     for samples in range(1, 8):
         m = np.full((1, samples), 10.0)
@@ -412,7 +412,7 @@ def test_two_engines_per_replica_halve_its_load():
     """One replica of 8 samples of 10 decode steps each, a cost of 1 s per sequence and step:
     one engine takes 80 s, two engines (samples 0, 2, .. and 1, 3, ..) 40 s each; at rollout TP
     4 with alpha 1 (0.5) an engine is 4x (2x) faster than the measured TP-1 engine."""
-    from megatron_bubblespec.sim.model import per_engine
+    from megatron_bubblespec.measure.sim.model import per_engine
 
     assert per_engine(np.arange(8).reshape(1, 8), 2).tolist() == [[0, 2, 4, 6], [1, 3, 5, 7]]
     costs = StepCosts(EngineCosts(0.0, 1.0, 0.0, 0.0, 0.0))
@@ -447,8 +447,8 @@ def test_rollout_layouts_of_the_long_context_configs():
     """qwen2.5-7b-64k (TP 4 x PP 2 x CP 2, 141 GB, 0.60): one engine per replica at TP 4 holds 82
     sequences of 66,048; on every GPU rollout TP 1, 2, 4 give 16, 8, 4 engines per replica
     (17, 39, 82 slots); TP 8 cannot split 28 query heads."""
-    from megatron_bubblespec.sim.cli import config_shape
-    from megatron_bubblespec.sim.layout import rollout_layouts
+    from megatron_bubblespec.measure.sim.cli import config_shape
+    from megatron_bubblespec.measure.sim.layout import rollout_layouts
 
     cfg = config_shape(CONFIGS / "qwen2.5-7b-64k.yaml")
     layouts, notes = rollout_layouts(cfg, ["one-per-replica", "every-gpu"], gpu_bytes=141e9)

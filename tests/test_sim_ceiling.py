@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from megatron_bubblespec.sim.ceiling import (accept_per_token_lower_bound,
+from megatron_bubblespec.measure.sim.ceiling import (accept_per_token_lower_bound,
                                              decode_steps_ratio_ceiling)
 
 

@@ -26,7 +26,7 @@ from megatron_bubblespec.models.architecture import make_tiny_checkpoint  # noqa
 from megatron_bubblespec.rollout.reference import ReferenceEngine  # noqa: E402
 from megatron_bubblespec.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from megatron_bubblespec.sampling import SamplingParams, sample_key  # noqa: E402
-from megatron_bubblespec.sampling.requests import RolloutRequest  # noqa: E402
+from megatron_bubblespec.sampling.requests import Proposals, RolloutRequest  # noqa: E402
 from megatron_bubblespec.spec.pool import Continuation, DraftPool, PromptIndex, Siblings  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -75,7 +75,7 @@ def _requests(tag, prompts, keys, pools=None, prefixes=None, eos=None, max_new=M
     n = len(prompts)
     pools, prefixes, eos = pools or [[]] * n, prefixes or [[]] * n, eos or [()] * n
     return [RolloutRequest(f"{tag}-{i}", p, keys[i], max_new, response_prefix=list(prefixes[i]),
-                           eos_token_ids=tuple(eos[i]), draft_pool=pools[i])
+                           eos_token_ids=tuple(eos[i]), proposals=Proposals(pools[i]))
             for i, p in enumerate(prompts)]
 
 
@@ -305,9 +305,9 @@ def test_every_proposal_source_keeps_the_tokens_and_both_engines_agree(checkpoin
         def requests(tag, with_sources=True):
             out = _requests(tag, pairs, keys, pools if with_sources else None, prefixes)
             for request in out[2:4] if with_sources else ():
-                request.history = [history]
+                request.proposals.history = [history]
             for request in out[:2] if with_sources else ():
-                request.own_draft = 0   # the "siblings" pools: the own draft first
+                request.proposals.own = 0   # the "siblings" pools: the own draft first
             return out
 
         base = plain_engine.generate(requests(f"base-{name}", False), PARAMS[name])
@@ -593,7 +593,7 @@ def measured_engine(checkpoint):
 def test_a_cost_measured_at_start_up_sets_the_widths_and_keeps_the_tokens(measured_engine, plain,
                                                                           plain_engine, prompts,
                                                                           keys):
-    """spec.measure_proposal_cost: the factory's engine times plain and verify steps at start-up
+    """ablation.measure_proposal_cost: the factory's engine times plain and verify steps at start-up
     and proposes by the measured cost from then on; the tokens stay plain decoding's."""
     engine = measured_engine
     measured = engine.spec_token_cost
@@ -604,7 +604,7 @@ def test_a_cost_measured_at_start_up_sets_the_widths_and_keeps_the_tokens(measur
     pools = _pools("siblings", [r.token_ids for r in want], seed=5)
     requests = _requests("measured", prompts, keys, pools)
     for request in requests:
-        request.own_draft = 0   # the "siblings" pools: the own draft first
+        request.proposals.own = 0   # the "siblings" pools: the own draft first
     got = engine.generate(requests, PARAMS["T1"])
     _assert_same(got, want, "measured cost")
     # the measurement proposed from the drafts only; the rollouts after it use every source
@@ -622,7 +622,7 @@ def test_a_prefix_without_its_logprobs_keeps_the_tokens(plain_engine, plain, pro
     requests = _requests("no-prefix-logprobs", prompts, keys,
                          prefixes=[r.token_ids[:c] for r, c in zip(want, cuts)])
     for request in requests:
-        request.prefix_logprobs = False
+        request.drafting = True
     got = plain_engine.generate(requests, PARAMS["T1"])
     for r, w, c in zip(got, want, cuts):
         assert r.token_ids == w.token_ids

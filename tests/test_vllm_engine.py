@@ -346,7 +346,7 @@ def test_update_weights_streams_the_iterator(engine, checkpoint, prompts):
 
 def test_drafts_extend_on_kv_of_earlier_weights_and_rollouts_never_do(engine, checkpoint,
                                                                       tmp_path_factory):
-    """reuse_draft_kv: weight updates keep the prefix cache. A drafting request (stale_kv_ok)
+    """reuse_draft_kv: weight updates keep the prefix cache. A drafting request (``drafting``)
     extends on the KV its prompt got under the weights before the update, while a rollout request
     only meets KV of its own weights: after w0 -> w1 -> w0 it is the first w0 rollout again."""
     other = tiny_checkpoint(tmp_path_factory.mktemp("tiny_kv"), seed=1)
@@ -357,7 +357,7 @@ def test_drafts_extend_on_kv_of_earlier_weights_and_rollouts_never_do(engine, ch
 
     def run(tag, draft):
         request = RolloutRequest(tag, long_prompt, key, 8)
-        request.stale_kv_ok = draft
+        request.drafting = draft
         return engine.generate([request], PARAMS["T1"])[0]
 
     engine.reuse_draft_kv = True

@@ -107,11 +107,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError("parallel.sequence_parallel=true splits sequences over the tensor-"
                           "parallel group: it needs parallel.tensor > 1")
     _check_rollout_tensor_parallel(cfg)
-    unknown = sorted(set(cfg.spec.proposal_sources) - set(PROPOSAL_SOURCES))
+    unknown = sorted(set(cfg.ablation.proposal_sources) - set(PROPOSAL_SOURCES))
     if unknown:
-        raise ConfigError(f"spec.proposal_sources has {unknown}; choose from "
+        raise ConfigError(f"ablation.proposal_sources has {unknown}; choose from "
                           f"{list(PROPOSAL_SOURCES)} "
-                          "(for example spec.proposal_sources=[bubble,prompt,self])")
+                          "(for example ablation.proposal_sources=[bubble,prompt,self])")
     _check_gpu_memory_switches(cfg)
     _check_batch_invariance(cfg)
     if cfg.rollout.prompts_per_step % p.data:
@@ -128,36 +128,36 @@ def validate(cfg: Config) -> None:
                           "(its keyed draws need each sequence's logits whole on a rank); use "
                           "spec.verifier=engine (drafts verified inside vLLM's rollout, any "
                           "layout) or spec.enabled=false")
-    if cfg.spec.verifier == "engine" and cfg.rollout.engine == "vllm" and cfg.spec.rule != "keyed":
+    if cfg.spec.verifier == "engine" and cfg.rollout.engine == "vllm" and cfg.ablation.rule != "keyed":
         raise ConfigError(f"spec.verifier=engine on vLLM verifies with the keyed rule only "
-                          f"(spec.rule={cfg.spec.rule!r} needs the drafts' distributions); use "
-                          "spec.rule=keyed, or rollout.engine=reference")
-    if cfg.spec.enabled and cfg.spec.rule != "keyed":
+                          f"(ablation.rule={cfg.ablation.rule!r} needs the drafts' distributions); use "
+                          "ablation.rule=keyed, or rollout.engine=reference")
+    if cfg.spec.enabled and cfg.ablation.rule != "keyed":
         # residual/lenient need the drafter's full distribution q for every draft token.
         if cfg.rollout.engine != "reference" or p.tensor != 1 or p.pipeline != 1:
-            raise ConfigError(f"spec.rule={cfg.spec.rule!r} (an ablation rule) needs the drafts' "
+            raise ConfigError(f"ablation.rule={cfg.ablation.rule!r} (an ablation rule) needs the drafts' "
                               "distributions: use rollout.engine=reference with parallel.tensor=1 "
-                              "and parallel.pipeline=1, or spec.rule=keyed")
+                              "and parallel.pipeline=1, or ablation.rule=keyed")
         if cfg.spec.speculative_continuation:
-            raise ConfigError(f"spec.rule={cfg.spec.rule!r}: speculative continuation verifies with "
+            raise ConfigError(f"ablation.rule={cfg.ablation.rule!r}: speculative continuation verifies with "
                               "the keyed rule; set spec.speculative_continuation=false")
         if cfg.rollout.temperature == 0:
-            raise ConfigError(f"spec.rule={cfg.spec.rule!r} needs rollout.temperature > 0")
-        if (cfg.spec.draft_lookahead != 1 or cfg.spec.draft_horizon != 1
-                or cfg.spec.draft_source != "bubble"):
-            raise ConfigError(f"spec.rule={cfg.spec.rule!r} compares rules on BubbleSpec's own "
+            raise ConfigError(f"ablation.rule={cfg.ablation.rule!r} needs rollout.temperature > 0")
+        if (cfg.ablation.draft_lookahead != 1 or cfg.spec.draft_horizon != 1
+                or cfg.ablation.draft_source != "bubble"):
+            raise ConfigError(f"ablation.rule={cfg.ablation.rule!r} compares rules on BubbleSpec's own "
                               "drafts (the engine keeps only the last policy): use "
-                              "spec.draft_lookahead=1, spec.draft_horizon=1 and "
-                              "spec.draft_source=bubble")
+                              "ablation.draft_lookahead=1, spec.draft_horizon=1 and "
+                              "ablation.draft_source=bubble")
     if (cfg.rollout.engine == "vllm" and cfg.spec.enabled and cfg.spec.speculative_continuation
             and cfg.spec.spec_k > VLLM_MAX_SPEC_TOKENS):
         raise ConfigError(f"spec.spec_k={cfg.spec.spec_k}: vLLM's rejection sampler verifies at "
                           f"most {VLLM_MAX_SPEC_TOKENS} proposed tokens per step; lower "
                           "spec.spec_k")
-    if cfg.spec.measure_proposal_cost and not (
+    if cfg.ablation.measure_proposal_cost and not (
             cfg.spec.speculative_continuation and cfg.rollout.engine == "vllm"
             and cfg.rollout.tensor_parallel == 1):
-        raise ConfigError("spec.measure_proposal_cost measures a vLLM engine's verify steps at "
+        raise ConfigError("ablation.measure_proposal_cost measures a vLLM engine's verify steps at "
                           "start-up: it needs spec.speculative_continuation=true, rollout.engine="
                           "vllm and rollout.tensor_parallel=1 (the ranks of a tensor-parallel "
                           "engine would measure apart); or set spec.proposal_token_cost instead")

@@ -78,8 +78,6 @@ class RolloutConfig:
 @dataclass
 class SpecConfig:
     enabled: bool = True
-    rule: str = "keyed"             # keyed (exact); residual/lenient exist for ablations only
-    lenience: float = 2.0           # the lenient rule accepts when u <= lenience * p/q (SPEC-RL)
     verifier: str = "megatron"      # megatron | engine (vLLM: inside the rollout, any layout; reference: TP = PP = 1)
     max_draft_tokens: int = 64      # per sample
     draft_chunk: int = 2            # samples claimed from the shared cursor at a time
@@ -89,32 +87,38 @@ class SpecConfig:
     # closes, which the step waits for (spec.bubble)
     draft_prefill_tokens: int = 0
     speculative_continuation: bool = True
-    # what a decoding sample proposes from (spec.pool): its prompt's other samples' bubble drafts
-    # (bubble), its own draft after the response left it (realign), the prompt's text, the
-    # prompt's responses from its last rollout (history), its own text so far (self), its
-    # prompt's other samples as they are generated (siblings); each switchable, each counted in
-    # spec/continuation_*/<source>
-    proposal_sources: list[str] = field(default_factory=lambda: ["bubble", "realign"])
     spec_k: int = 4
     # the cost of one proposed token, as a fraction of a decode step: each sample then proposes
     # the 0 .. spec_k tokens that pay at its recent acceptance (spec.pool); none: always spec_k
     proposal_token_cost: Optional[float] = None
-    # each vLLM engine measures proposal_token_cost at start-up instead, at its share of a step's
-    # samples (VLLMEngine.measure_proposal_cost; a few seconds), and logs spec/proposal_token_cost
-    measure_proposal_cost: bool = False
     min_match: int = 2
     max_match: int = 8
     barrier_timeout_s: float = 600.0
-    draft_source: str = "bubble"    # bubble (BubbleSpec) | previous_epoch (SPEC-RL-like, ablation)
-    draft_lookahead: int = 1        # bubble drafts are made for step t + k (k > 1: staler drafts)
     draft_horizon: int = 1          # bubbles draft steps t+k .. t+k+H-1 (later ones fill the batch)
-    # which of a step's samples a bubble drafts first (spec.queue): engines (round-robin over the
-    # engines that roll them out) | stragglers (partial drafts still running first, longest first)
-    draft_order: str = "engines"
     # vLLM keeps its prefix cache across weight updates, salted per weight version for rollouts and
     # shared by drafting requests: a bubble extends a partial draft on the KV an earlier bubble left
     # (computed by older weights: only a proposal) instead of prefilling prompt + draft again
     reuse_draft_kv: bool = True
+
+
+@dataclass
+class AblationConfig:
+    """Switches that exist to reproduce the paper's ablations (``scripts/ablations/``); the
+    shipped jobs leave them at these values."""
+
+    rule: str = "keyed"             # keyed (exact) | residual, lenient: other verification rules
+    lenience: float = 2.0           # the lenient rule accepts when u <= lenience * p/q (SPEC-RL)
+    draft_source: str = "bubble"    # bubble (BubbleSpec) | previous_epoch (SPEC-RL-like)
+    draft_lookahead: int = 1        # bubble drafts are made for step t + k (k > 1: staler drafts)
+    # which of a step's samples a bubble drafts first (spec.queue): engines (round-robin over the
+    # engines that roll them out) | stragglers (partial drafts still running first, longest first)
+    draft_order: str = "engines"
+    # what a decoding sample proposes from (spec.pool, where each source is described); each is
+    # counted in spec/continuation_*/<source>
+    proposal_sources: list[str] = field(default_factory=lambda: ["bubble", "realign"])
+    # each vLLM engine measures spec.proposal_token_cost at start-up instead, at its share of a
+    # step's samples, and logs spec/proposal_token_cost
+    measure_proposal_cost: bool = False
 
 
 @dataclass
@@ -156,6 +160,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    ablation: AblationConfig = field(default_factory=AblationConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -170,11 +175,11 @@ DRAFT_ORDERS = ("engines", "stragglers")
 CHOICES = {
     "rollout.engine": ("vllm", "reference"),
     "parallel.order": ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"),
-    "spec.rule": ("keyed", "residual", "lenient"),
+    "ablation.rule": ("keyed", "residual", "lenient"),
     "spec.verifier": ("megatron", "engine"),
     "data.task": ("synthetic", "arithmetic", "gsm8k", "jsonl"),
-    "spec.draft_source": ("bubble", "previous_epoch"),
-    "spec.draft_order": DRAFT_ORDERS,
+    "ablation.draft_source": ("bubble", "previous_epoch"),
+    "ablation.draft_order": DRAFT_ORDERS,
     "data.split": ("train", "test"),
     "model.dtype": ("float32", "float64", "bfloat16"),
 }
@@ -211,9 +216,9 @@ BOUNDS = {
     "rollout.max_num_batched_tokens": (lambda v: v >= 16, ">= 16"),
     "rollout.kv_block_size": (lambda v: v is None or (v >= 16 and v % 16 == 0),
                               "a multiple of 16 (vLLM's KV blocks), or null for vLLM's default"),
-    "spec.draft_lookahead": (lambda v: v >= 1, ">= 1"),
+    "ablation.draft_lookahead": (lambda v: v >= 1, ">= 1"),
     "spec.draft_horizon": (lambda v: v >= 1, ">= 1"),
-    "spec.lenience": (lambda v: v >= 1, ">= 1"),
+    "ablation.lenience": (lambda v: v >= 1, ">= 1"),
     "run.keep_checkpoints": (lambda v: v >= 1, ">= 1"),
     "run.stall_timeout_s": (lambda v: v >= 0, ">= 0 (0 = off)"),
     "run.signal_grace_s": (lambda v: v > 0, "> 0"),

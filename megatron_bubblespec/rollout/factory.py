@@ -18,22 +18,22 @@ ENGINES = ("reference", "vllm")
 def engine_options(cfg) -> dict[str, Any]:
     """A run config -> ``build_engine`` keyword arguments for this rank's engine (a shard of a
     tensor-parallel one when ``rollout.tensor_parallel`` > 1)."""
-    r, s = cfg.rollout, cfg.spec
+    r, s, a = cfg.rollout, cfg.spec, cfg.ablation
     return dict(kind=r.engine, max_model_len=cfg.model.max_model_len, seed=cfg.run.seed,
                 dtype=cfg.model.dtype, tensor_parallel=r.tensor_parallel,
                 kv_cache_mb=r.kv_cache_mb, kv_block_size=r.kv_block_size,
                 gpu_memory_utilization=r.gpu_memory_utilization,
                 max_num_batched_tokens=r.max_num_batched_tokens,
-                keep_previous_weights=s.enabled and s.rule != "keyed",
+                keep_previous_weights=s.enabled and a.rule != "keyed",
                 sleep_mode=r.sleep_during_train, batch_invariant=r.batch_invariant,
                 speculative_continuation=s.enabled and s.speculative_continuation,
                 verify_drafts=s.enabled and s.verifier == "engine" and r.engine == "vllm",
                 reuse_draft_kv=s.enabled and s.reuse_draft_kv,
                 spec_k=s.spec_k, spec_min_match=s.min_match, spec_max_match=s.max_match,
                 spec_token_cost=s.proposal_token_cost,
-                measure_cost_at_rows=engine_rows(cfg) if s.enabled and s.measure_proposal_cost
+                measure_cost_at_rows=engine_rows(cfg) if s.enabled and a.measure_proposal_cost
                 else None,
-                proposal_sources=tuple(s.proposal_sources))
+                proposal_sources=tuple(a.proposal_sources))
 
 
 def engine_rows(cfg) -> int:

@@ -178,9 +178,9 @@ class ReferenceEngine(RolloutEngine):
     def _admit(self, request: RolloutRequest, params: SamplingParams) -> _Running:
         state = _Running(request, params, self.model.cache.acquire(), list(request.response_prefix))
         if self.speculative_continuation and has_sources(self.proposal_sources,
-                                                         request.draft_pool, request.history):
+                                                         request.proposals.drafts, request.proposals.history):
             pool = self._siblings.pool(request.request_id, request.prompt_token_ids,
-                                       request.draft_pool, request.history, request.own_draft)
+                                       request.proposals.drafts, request.proposals.history, request.proposals.own)
             if pool:
                 state.continuation = Continuation(pool, self.spec_k,
                                                   token_cost=self.spec_token_cost)

@@ -54,7 +54,8 @@ from megatron_bubblespec.rollout.base import RolloutEngine
 from megatron_bubblespec.sampling.keyed_draw import keyed_sample_sparse
 from megatron_bubblespec.rollout.vllm_proposer import POOL_ARGS_KEY, PoolProposer, pool_extra_args
 from megatron_bubblespec.sampling import SamplingParams, hash_kernel
-from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult, settle_eos
+from megatron_bubblespec.sampling.requests import (Proposals, RolloutRequest, RolloutResult,
+                                                   settle_eos)
 from megatron_bubblespec.spec.pool import DEFAULT_SOURCES, has_sources
 
 EXTRA_ARGS_KEY = "bubblespec_keyed"
@@ -315,7 +316,7 @@ class VLLMEngine(RolloutEngine):
         ``reuse_draft_kv`` (``spec.reuse_draft_kv``): a weight update keeps the prefix cache. Every
         request's cached KV is salted: a rollout request's with the weight version, so it only
         ever meets KV of the weights it runs on (as after a cache reset); a drafting request's
-        (``stale_kv_ok``) with one salt for all versions, so a later bubble extends a partial
+        (``RolloutRequest.drafting``) with one salt for all versions, so a later bubble extends a partial
         draft on the KV of its prompt and earlier tokens instead of prefilling them again.
 
         ``batch_invariant`` (``rollout.batch_invariant``, CUDA): vLLM's batch-invariant kernels, so
@@ -400,20 +401,20 @@ class VLLMEngine(RolloutEngine):
                 detokenize=False)
         extra_args = {EXTRA_ARGS_KEY: _params_to_extra(params, request.key, n_prefix)}
         pooled = self.speculative_continuation and \
-            has_sources(self.proposal_sources, request.draft_pool, request.history)
+            has_sources(self.proposal_sources, request.proposals.drafts, request.proposals.history)
         if not prefix_complete and (pooled or request.draft):
             sources = self.proposal_sources if self.speculative_continuation else ()
             extra_args[POOL_ARGS_KEY] = pool_extra_args(
-                len(request.prompt_token_ids), request.draft_pool if pooled else [], self.spec_k,
+                len(request.prompt_token_ids), request.proposals.drafts if pooled else [], self.spec_k,
                 self.spec_min_match, self.spec_max_match, sources, draft=request.draft,
                 draft_k=VLLM_MAX_SPEC_TOKENS, token_cost=self.spec_token_cost,
-                history=request.history if pooled else [],
-                own_draft=request.own_draft if pooled else None)
+                history=request.proposals.history if pooled else [],
+                own_draft=request.proposals.own if pooled else None)
         return VLLMSamplingParams(
             n=1, temperature=0.0,   # greedy: vLLM's sampler takes the token the processor forced
             max_tokens=max_tokens,
             stop_token_ids=list(request.eos_token_ids), ignore_eos=True,
-            logprobs=0, prompt_logprobs=0 if n_prefix and request.prefix_logprobs else None,
+            logprobs=0, prompt_logprobs=0 if n_prefix and not request.drafting else None,
             detokenize=False, extra_args=extra_args)
 
     def add(self, requests: Iterable[RolloutRequest], params: SamplingParams) -> None:
@@ -439,7 +440,7 @@ class VLLMEngine(RolloutEngine):
             prompt = {"prompt_token_ids": list(request.prompt_token_ids)
                       + list(request.response_prefix)}
             if self.reuse_draft_kv:
-                prompt["cache_salt"] = ("drafts" if request.stale_kv_ok
+                prompt["cache_salt"] = ("drafts" if request.drafting
                                         else f"weights-{self.weight_version}")
             vllm_params = self._vllm_params(request, params, prefix_complete)
             vllm_id = self._engine.add_request(request.request_id, prompt, vllm_params)
@@ -453,7 +454,7 @@ class VLLMEngine(RolloutEngine):
     def measure_proposal_cost(self, rows: int, verify_steps: int = 8, repeats: int = 2,
                               seed: int = 0) -> float:
         """Measure what one proposed token costs, as a fraction of a decode step, at ``rows``
-        requests, and propose by it from now on (``spec.measure_proposal_cost``).
+        requests, and propose by it from now on (``ablation.measure_proposal_cost``).
 
         ``rows`` random 32-token prompts are decoded plainly, then again with their own
         responses as the only proposal source, so that every engine step verifies ``spec_k``
@@ -477,7 +478,7 @@ class VLLMEngine(RolloutEngine):
 
         def timed(tag, pools):
             requests = [RolloutRequest(f"cost-{tag}-{i}", p, sample_key(seed, 0, i, 0), budget,
-                                       draft_pool=pool) for i, (p, pool) in
+                                       proposals=Proposals(pool)) for i, (p, pool) in
                         enumerate(zip(prompts, pools))]
             self.add(requests, params)
             steps, results = [], []

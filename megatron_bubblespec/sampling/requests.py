@@ -2,9 +2,10 @@
 the bubble drafter and the loop (below all of them, so none imports another to name a request).
 
 A request is one sample: prompt, the sample's key, its response budget, an optional response
-prefix already fixed by verification, its EOS ids, the prompt's drafts for speculative
-continuation, and its own draft when the engine verifies it (``spec.verifier: engine``). A
-result is the whole response (prefix included) with one logprob per token.
+prefix already fixed by verification, its EOS ids, what it may propose from while it decodes
+(``Proposals``, speculative continuation), its own draft when the engine verifies it
+(``spec.verifier: engine``), and whether it is a bubble's drafting request. A result is the whole
+response (prefix included) with one logprob per token.
 ``settle_eos`` is the one rule, used by every engine and verifier, for where a response ends.
 """
 
@@ -27,6 +28,16 @@ def settle_eos(tokens: Sequence[int], eos_token_ids: Collection[int]) -> tuple[i
 
 
 @dataclass
+class Proposals:
+    """What a decoding sample may propose from (``spec.pool``): its prompt's drafts, the place of
+    its own draft among them, and its prompt's responses from the last time it was rolled out."""
+
+    drafts: list[list[int]] = field(default_factory=list)
+    own: int | None = None
+    history: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
 class RolloutRequest:
     """One sample to generate: prompt, its key, and an optional already-fixed response prefix."""
 
@@ -36,14 +47,12 @@ class RolloutRequest:
     max_new_tokens: int                         # response budget, prefix included
     response_prefix: list[int] = field(default_factory=list)
     eos_token_ids: tuple[int, ...] = ()
-    draft_pool: list[list[int]] = field(default_factory=list)  # drafts of the same prompt (speculative continuation)
-    own_draft: int | None = None   # the place of this sample's own draft in draft_pool, if any
-    history: list[list[int]] = field(default_factory=list)  # the prompt's responses from its last rollout (the history source)
+    proposals: Proposals = field(default_factory=Proposals)
     draft: list[int] = field(default_factory=list)  # its own draft, verified inside the engine's forward
-    prefix_logprobs: bool = True   # the prefix's logprobs are wanted (a full-vocabulary prefill pass)
-    # a drafting request: it may reuse KV its prompt and prefix got under earlier weights (a draft
-    # is only a proposal); a rollout request never does
-    stale_kv_ok: bool = False
+    # a bubble's drafting request: its prefix is an earlier draft (no logprobs wanted over it) and
+    # it may reuse KV its prompt and prefix got under earlier weights (a draft is only a
+    # proposal); a rollout request never does either
+    drafting: bool = False
 
     def __post_init__(self):
         if not self.prompt_token_ids:

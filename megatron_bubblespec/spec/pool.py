@@ -3,7 +3,7 @@ texts as they grow) + a sample's text so far -> the next k tokens to propose, an
 
 Speculative continuation: while a sample decodes, it proposes tokens that followed the longest
 suffix of its current text seen in one of its sources; the keyed verifier decides, so any source is
-exact. The sources (``spec.proposal_sources``, each switchable):
+exact. The sources (``ablation.proposal_sources``, each switchable):
 
 * ``bubble``: the drafts of the same prompt's other samples, made by the older policy in the
   bubble (each indexed as prompt + draft);
@@ -32,7 +32,7 @@ from megatron_bubblespec.config.schema import PROPOSAL_SOURCES as SOURCES
 STATIC = ("prompt", "bubble", "history")   # fixed when the prompt's index is built
 GROWING = ("self", "siblings")              # the samples' own texts, indexed as they grow
 DRAFTS = ("bubble", "realign")              # the prompt's bubble drafts: the others', one's own
-DEFAULT_SOURCES = DRAFTS                    # as spec.proposal_sources' schema default
+DEFAULT_SOURCES = DRAFTS                    # as ablation.proposal_sources' schema default
 
 
 def has_sources(sources, drafts, history=()) -> bool:

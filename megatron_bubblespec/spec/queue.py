@@ -4,8 +4,8 @@
 every rank (every rank absorbs every rank's drafts after the exchange), so all ranks compute the
 same list of samples still to draft and a checkpoint needs only one rank's queue.
 
-Step t's bubble drafts the samples of steps t+k .. t+k+H-1 (k = ``spec.draft_lookahead``,
-H = ``spec.draft_horizon``), next step first. Within a step the order (``spec.draft_order``) is
+Step t's bubble drafts the samples of steps t+k .. t+k+H-1 (k = ``ablation.draft_lookahead``,
+H = ``spec.draft_horizon``), next step first. Within a step the order (``ablation.draft_order``) is
 round-robin over the rollout engines that will roll the samples out (engine 0's first sample,
 engine 1's first, ..., engine 0's second, ...), so a short bubble shortens every engine's next
 rollout a little rather than one engine's a lot: the step waits for the slowest engine. With
@@ -44,8 +44,8 @@ class DraftQueue:
         s = cfg.spec
         return cls(budget=min(s.max_draft_tokens, cfg.rollout.max_new_tokens),
                    eos_token_ids=eos_token_ids, vocab_size=vocab_size,
-                   lookahead=s.draft_lookahead, horizon=s.draft_horizon, num_steps=cfg.run.steps,
-                   engines_per_replica=engines_per_replica, order=s.draft_order)
+                   lookahead=cfg.ablation.draft_lookahead, horizon=s.draft_horizon, num_steps=cfg.run.steps,
+                   engines_per_replica=engines_per_replica, order=cfg.ablation.draft_order)
 
     # ------------------------------------------------------------------ what to draft
     def target_steps(self, step: int) -> list[int]:
@@ -64,7 +64,7 @@ class DraftQueue:
 
     def left_to_draft(self, batches: Iterable) -> list[Sample]:
         """The samples of ``batches`` (``data.lookahead.StepBatch``, in step order) still to
-        draft, in drafting order (``spec.draft_order``: see the module docstring)."""
+        draft, in drafting order (``ablation.draft_order``: see the module docstring)."""
         samples = []
         for batch in batches:
             left = [g for g in drafting_order(batch, self.engines_per_replica)

@@ -116,21 +116,21 @@ def build_verifier(cfg, params: SamplingParams, *, model=None, spec=None,
     """The run's verifier: Megatron's (``model``, ``spec``) for the keyed rule with
     ``spec.verifier: megatron``, else the engine's (inside the rollout on vLLM, ``engine`` before
     it on the reference engine); None when BubbleSpec is off."""
-    s = cfg.spec
+    s, a = cfg.spec, cfg.ablation
     if not s.enabled:
         return None
     if s.verifier == "engine" and cfg.rollout.engine == "vllm":
         return InRolloutVerifier(spec.vocab_size)
-    if s.rule == "keyed" and s.verifier == "megatron":
+    if a.rule == "keyed" and s.verifier == "megatron":
         from megatron_bubblespec.spec.megatron_verifier import MegatronVerifier
 
         return MegatronDraftVerifier(MegatronVerifier(model, spec), params,
                                      cfg.train.micro_batch_size)
     if engine is None:
-        raise ValueError(f"spec.verifier={s.verifier!r} with spec.rule={s.rule!r} verifies in the "
+        raise ValueError(f"spec.verifier={s.verifier!r} with ablation.rule={a.rule!r} verifies in the "
                          "rollout engine, and this rank has none; use spec.verifier=megatron with "
-                         "spec.rule=keyed, or parallel.tensor=parallel.pipeline=1")
-    return EngineVerifier(engine, params, rule=s.rule, lenience=s.lenience)
+                         "ablation.rule=keyed, or parallel.tensor=parallel.pipeline=1")
+    return EngineVerifier(engine, params, rule=a.rule, lenience=a.lenience)
 
 
 def apply_verification(requests: Sequence[RolloutRequest], result: Verification,

@@ -1,7 +1,7 @@
 """Study 1, the main table: BubbleSpec against plain synchronous GRPO (paired runs, same seeds and
 prompts), at a learning rate where the reward really improves over the run.
 
-The table gives the package's paired numbers (``loop.bench``): decode steps on / off, rollout
+The table gives the package's paired numbers (``measure.bench``): decode steps on / off, rollout
 throughput with and without the verify cost, the off run's bubble and the share of it spent
 drafting, acceptance, token mismatch (0: both runs produced the same tokens), learning rate, policy
 drift, and the reward of the first and last quarter of the steps. On configs/tiny.yaml the run uses
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import report
 import runner
-from megatron_bubblespec.loop.bench import markdown_steps, markdown_summary
+from megatron_bubblespec.measure.bench import markdown_steps, markdown_summary
 from megatron_bubblespec.metrics import plot_run
 from megatron_bubblespec.metrics.formatting import number
 

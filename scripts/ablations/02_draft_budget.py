@@ -1,6 +1,6 @@
 """Study 2: the draft budget, spec.max_draft_tokens (tokens drafted per sample), spec.draft_chunk
 (samples a fast rank claims from the shared cursor at a time), spec.draft_horizon (steps a
-bubble drafts ahead) and spec.draft_order (which samples it drafts first).
+bubble drafts ahead) and ablation.draft_order (which samples it drafts first).
 
 A larger token budget lets a draft cover more of a response but spends the bubble on fewer
 samples; a larger chunk makes fewer claims but leaves the cursor's tail less evenly shared; a
@@ -41,14 +41,15 @@ def main(argv=None) -> None:
     p.add_argument("--draft-horizon", type=runner.csv(int), default=[1, 2, 3],
                    help="values of spec.draft_horizon (default %(default)s)")
     p.add_argument("--draft-order", type=runner.csv(str), default=[],
-                   help="values of spec.draft_order (default: the config's only), e.g. "
+                   help="values of ablation.draft_order (default: the config's only), e.g. "
                         "engines,stragglers")
     p.add_argument("--full-grid", action="store_true",
                    help="every combination of the knobs instead of one knob at a time")
     args = p.parse_args(argv)
     runner.learning_defaults(args)
-    spec = runner.load(args.config, runner.base_overrides(args)).spec
-    base = (spec.max_draft_tokens, spec.draft_chunk, spec.draft_horizon, spec.draft_order)
+    cfg = runner.load(args.config, runner.base_overrides(args))
+    spec = cfg.spec
+    base = (spec.max_draft_tokens, spec.draft_chunk, spec.draft_horizon, cfg.ablation.draft_order)
     if args.full_grid:
         grid = list(itertools.product(args.max_draft_tokens, args.draft_chunk, args.draft_horizon,
                                       args.draft_order or [base[3]]))
@@ -62,7 +63,7 @@ def main(argv=None) -> None:
     variants = [runner.Variant(f"{m} tok, chunk {c}, horizon {h}"
                                + (f", order {o}" if named or o != base[3] else ""),
                                [f"spec.max_draft_tokens={m}", f"spec.draft_chunk={c}",
-                                f"spec.draft_horizon={h}", f"spec.draft_order={o}"])
+                                f"spec.draft_horizon={h}", f"ablation.draft_order={o}"])
                 for m, c, h, o in grid]
     result = runner.run_study(STUDY, args, variants)
     report.finish(result, TITLE, COLUMNS, panels=[

@@ -1,7 +1,7 @@
 """Study 3: draft staleness. BubbleSpec drafts a step's samples one step ahead (made by the policy
-of step t - 1, spec.draft_lookahead=1); k steps ahead (spec.draft_lookahead=k) they are k policy
+of step t - 1, ablation.draft_lookahead=1); k steps ahead (ablation.draft_lookahead=k) they are k policy
 updates old; SPEC-RL-like drafts are the prompt's responses from the previous epoch
-(spec.draft_source=previous_epoch), older still and drawn with another step's sampling keys.
+(ablation.draft_source=previous_epoch), older still and drawn with another step's sampling keys.
 
 So that the previous-epoch variant has drafts within a short run, every run (off runs included)
 uses the task's first ``--epoch-steps`` steps' worth of prompts (data.max_prompts = epoch_steps
@@ -26,9 +26,9 @@ COLUMNS = (report.Column("drafted tok", "drafted_tokens", count),
 def main(argv=None) -> None:
     p = runner.parser(__doc__)
     p.add_argument("--lookahead", type=runner.csv(int), default=[1, 2, 3],
-                   help="values of spec.draft_lookahead (default %(default)s)")
+                   help="values of ablation.draft_lookahead (default %(default)s)")
     p.add_argument("--no-previous-epoch", dest="previous_epoch", action="store_false",
-                   help="leave out the spec.draft_source=previous_epoch variant")
+                   help="leave out the ablation.draft_source=previous_epoch variant")
     p.add_argument("--epoch-steps", type=int, default=2,
                    help="steps per epoch of every run (default %(default)s; 0 = the config's)")
     args = p.parse_args(argv)
@@ -37,10 +37,10 @@ def main(argv=None) -> None:
         prompts = runner.load(args.config, runner.base_overrides(args)).rollout.prompts_per_step
         args.overrides = [f"data.max_prompts={args.epoch_steps * prompts}", *args.overrides]
     variants = [runner.Variant(f"{k} step{'s' * (k > 1)} old",
-                               ["spec.draft_source=bubble", f"spec.draft_lookahead={k}"])
+                               ["ablation.draft_source=bubble", f"ablation.draft_lookahead={k}"])
                 for k in args.lookahead]
     if args.previous_epoch:
-        variants.append(runner.Variant("previous epoch", ["spec.draft_source=previous_epoch"]))
+        variants.append(runner.Variant("previous epoch", ["ablation.draft_source=previous_epoch"]))
     result = runner.run_study(STUDY, args, variants)
     report.finish(result, TITLE, COLUMNS, panels=[
         report.bars("accept_rate", "accept rate (accepted / drafted tokens)", percent),

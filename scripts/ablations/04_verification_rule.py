@@ -1,7 +1,7 @@
-"""Study 4: the verification rule. Keyed coupling (spec.rule=keyed: accept while the target's
-keyed draw equals the draft token; exact) against standard speculative sampling (spec.rule=residual:
+"""Study 4: the verification rule. Keyed coupling (ablation.rule=keyed: accept while the target's
+keyed draw equals the draft token; exact) against standard speculative sampling (ablation.rule=residual:
 accept with min(1, p/q), resample from the residual; exact in distribution but not token-identical
-to the plain run) and SPEC-RL's lenient rule (spec.rule=lenient; inexact).
+to the plain run) and SPEC-RL's lenient rule (ablation.rule=lenient; inexact).
 
 The non-keyed rules need the drafts' distributions, which only the reference engine keeps, and
 verify without speculative continuation: every run of the study, the off run included, uses
@@ -10,7 +10,7 @@ speed; token mismatch against the off run and the reward curves show what inexac
 configs/tiny.yaml the runs use runner.LEARNING (lr 3e-3, 60 steps) unless --lr / --steps say
 otherwise. The residual and lenient rules verify in the reference engine (which keeps the drafting
 policy's distributions); the keyed rule verifies on Megatron as in BubbleSpec, or in the engine
-too with --keyed-verifier engine. SPEC-RL's lenience is spec.lenience (a dotted override).
+too with --keyed-verifier engine. SPEC-RL's lenience is ablation.lenience (a dotted override).
 
     python scripts/ablations/04_verification_rule.py [--config configs/tiny.yaml] [--steps N]
         [--rules keyed,residual,lenient] [--keyed-verifier megatron|engine]
@@ -35,18 +35,18 @@ ENGINE = ("rollout.engine=reference", "spec.speculative_continuation=false")
 def main(argv=None) -> None:
     p = runner.parser(__doc__)
     p.add_argument("--rules", type=runner.csv(str), default=["keyed", "residual", "lenient"],
-                   help="values of spec.rule (default %(default)s)")
+                   help="values of ablation.rule (default %(default)s)")
     p.add_argument("--keyed-verifier", choices=("megatron", "engine"), default="megatron",
                    help="where the keyed rule verifies: Megatron (BubbleSpec's verifier, default) "
                         "or the reference engine, where the other rules always verify")
     args = p.parse_args(argv)
     runner.learning_defaults(args, curve=True)
     args.overrides = [*ENGINE, *args.overrides]
-    lenience = runner.load(args.config, runner.base_overrides(args)).spec.lenience
+    lenience = runner.load(args.config, runner.base_overrides(args)).ablation.lenience
     labels = {"keyed": f"keyed ({args.keyed_verifier} verifier)",
               "residual": "residual (engine verifier)",
               "lenient": f"lenient x{lenience:g} (engine verifier)"}
-    variants = [runner.Variant(labels[rule], [f"spec.rule={rule}"] + (
+    variants = [runner.Variant(labels[rule], [f"ablation.rule={rule}"] + (
         [f"spec.verifier={args.keyed_verifier}"] if rule == "keyed" else []))
         for rule in args.rules]
     result = runner.run_study(STUDY, args, variants)

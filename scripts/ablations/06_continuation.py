@@ -2,7 +2,7 @@
 and its proposal sources.
 
 With continuation on, a sample whose draft was rejected keeps proposing tokens from its sources
-(spec.proposal_sources; the schema's default: the other drafts of its prompt, and its own draft
+(ablation.proposal_sources; the schema's default: the other drafts of its prompt, and its own draft
 re-aligned, each on a suffix match of at least spec.min_match tokens), so drafts keep saving
 decode steps past the first divergence; off, the engine decodes everything after the accepted
 prefix one token per step.
@@ -68,7 +68,7 @@ def main(argv=None) -> None:
             p.error(f"--sources {sources}: unknown {unknown}; choose from "
                     f"{', '.join(PROPOSAL_SOURCES)} or all")
         variants.append(runner.Variant(f"continuation from {sources}", [
-            "spec.speculative_continuation=true", f"spec.proposal_sources=[{','.join(chosen)}]"]))
+            "spec.speculative_continuation=true", f"ablation.proposal_sources=[{','.join(chosen)}]"]))
     result = runner.run_study(STUDY, args, variants)
     columns = (*report.ACCEPT, *report.SPEED[:2], *report.ENGINE, *report.SPEED[2:],
                *report.STEADY, *report.BUBBLE, *report.COVERAGE, *report.CONTINUATION,

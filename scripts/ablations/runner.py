@@ -6,12 +6,12 @@ with ``spec.enabled=false`` and the variant's ``spec.*`` overrides left out: wit
 spec key reaches the rollout, so variants that differ only in spec keys (draft budget, staleness,
 verification rule, continuation) share one off run, while variants that change the run itself
 (learning rate, DP size, length cap, task, engine) get their own. The comparison is the package's:
-``loop.bench.compare`` (decode-step, time, bubble and acceptance ratios, lr, policy drift) and
-``loop.bench.token_mismatch`` (tokens that differ from the off run; 0 for an exact rule).
+``measure.bench.compare`` (decode-step, time, bubble and acceptance ratios, lr, policy drift) and
+``measure.bench.token_mismatch`` (tokens that differ from the off run; 0 for an exact rule).
 
 Every run writes its run directory (metrics.jsonl, rollouts.jsonl, config.yaml) and its console log
 under <out>/<study>/runs/. An off run that any study under the same <out> already finished with
-the same run config (``loop.bench.finished_run``: spec keys and observers aside) is reused, not
+the same run config (``measure.bench.finished_run``: spec keys and observers aside) is reused, not
 run again: the studies of one seed share one plain run. Tables and plots of the result: ``report``.
 """
 
@@ -33,7 +33,7 @@ from typing import Mapping, Sequence
 
 from megatron_bubblespec.config import ConfigError, load_config
 from megatron_bubblespec.distributed.launch import forward_signals
-from megatron_bubblespec.loop.bench import (compare, compare_steps, finished_run,
+from megatron_bubblespec.measure.bench import (compare, compare_steps, finished_run,
                                              steady_state_first_step, token_mismatch)
 from megatron_bubblespec.loop.heartbeat import EXIT_PREEMPTED
 from megatron_bubblespec.machine import machine_info

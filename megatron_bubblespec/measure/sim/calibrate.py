@@ -61,7 +61,7 @@ from scipy.optimize import brentq, least_squares, minimize, nnls
 from scipy.stats import norm
 
 from megatron_bubblespec.metrics.rollouts import ROLLOUTS_FILE, read_rollouts
-from megatron_bubblespec.sim.model import EngineCosts, LengthModel, Setting, StepCosts, simulate
+from megatron_bubblespec.measure.sim.model import EngineCosts, LengthModel, Setting, StepCosts, simulate
 
 ATTENTION_EQUAL_CTX = 8192  # KV length at which a sequence's attention costs its per-sequence share
 DEFAULT_SIGMA = 1.0         # log-length spread when no per-sample lengths were kept
@@ -397,7 +397,7 @@ def grid_accept_prob(records: Sequence[Mapping], fitted: float) -> float:
     """The per-token acceptance for predictions: ``fitted`` when some draft was cut by a miss,
     else the lower bound ``A / (A + N)`` of ``sim.ceiling`` (``A`` accepted tokens over ``N``
     drafted samples)."""
-    from megatron_bubblespec.sim.ceiling import accept_per_token_lower_bound
+    from megatron_bubblespec.measure.sim.ceiling import accept_per_token_lower_bound
 
     if fitted < 1.0:
         return fitted
@@ -446,7 +446,7 @@ def _job_shape(cfg, off: Sequence[Mapping], bench_path: Path) -> dict:
                 "draft_budget": min(cfg.spec.max_draft_tokens, r.max_new_tokens),
                 "chunk": cfg.spec.draft_chunk, "in_flight": cfg.spec.draft_in_flight,
                 "prefill_budget": cfg.spec.draft_prefill_tokens,
-                "horizon": cfg.spec.draft_horizon, "order": cfg.spec.draft_order,
+                "horizon": cfg.spec.draft_horizon, "order": cfg.ablation.draft_order,
                 "continuation_k": cfg.spec.spec_k if cfg.spec.speculative_continuation else 0,
                 "engine": r.engine}
     ranks = sum(1 for k in off[0] if k.startswith("rank") and k.endswith("/bubble/idle_s"))

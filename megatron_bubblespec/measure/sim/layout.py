@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from megatron_bubblespec.sim.memory import KVCapacity, engine_tp_ok, kv_capacity, model_shape
+from megatron_bubblespec.measure.sim.memory import KVCapacity, engine_tp_ok, kv_capacity, model_shape
 
 LAYOUTS = ("one-per-replica", "every-gpu")
 

@@ -68,7 +68,7 @@ import numpy as np
 from scipy.stats import norm
 
 from megatron_bubblespec.config.schema import DRAFT_ORDERS
-from megatron_bubblespec.sim.drafting import draft_in_bubble
+from megatron_bubblespec.measure.sim.drafting import draft_in_bubble
 
 
 @dataclass(frozen=True)
@@ -224,7 +224,7 @@ class Setting:
     draft_chunk: int = 2              # spec.draft_chunk
     draft_prefill_tokens: int = 0     # spec.draft_prefill_tokens: prompts claimed per engine step
     draft_horizon: int = 1            # spec.draft_horizon: steps a bubble drafts ahead
-    draft_order: str = "engines"      # spec.draft_order: which samples a bubble drafts first
+    draft_order: str = "engines"      # ablation.draft_order: which samples a bubble drafts first
     jitter: float = 0.0               # log-sd of a rank's rollout speed, drawn per rank and step
     spec: bool = True
     continuation_k: int = 0           # spec.spec_k with spec.speculative_continuation, else 0
@@ -297,7 +297,7 @@ def _ratio(num: float, den: float) -> float:
 
 
 def summarize(trace: StepTrace, engines: int) -> dict:
-    """The bench's numbers (``loop.bench.compare``) from a trace of ``engines`` engines: cost
+    """The bench's numbers (``measure.bench.compare``) from a trace of ``engines`` engines: cost
     ratios over steps >= 1, bubble and draft numbers over all steps."""
     t = {k: np.asarray(v, dtype=float) for k, v in vars(trace).items()}
     s1 = slice(1, None)

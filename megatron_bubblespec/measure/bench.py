@@ -4,7 +4,7 @@
 and once with ``spec.enabled=false`` (everything else identical, so both runs see the same seeds,
 prompts and sampling keys), trains each as its own run under ``out_dir`` (run names
 ``<run.name>-on`` and ``<run.name>-off``, BubbleSpec on first), then replays the off run's samples
-with plain vLLM sampling (:mod:`megatron_bubblespec.loop.plain_replay`: vLLM's own sampler, no
+with plain vLLM sampling (:mod:`megatron_bubblespec.measure.plain_replay`: vLLM's own sampler, no
 keyed processor, no drafts, each sample exactly as many tokens as in the off run, the initial
 checkpoint, each DP rank's batch timed in turn and the slowest taken per step; written as the run
 directory ``<run.name>-plain``; ``plain=False`` / ``--no-plain`` skips it) and compares.
@@ -18,7 +18,7 @@ The comparison:
 * cost, over a step range: once over the steps >= 1 (the first step has no drafts to verify; the
   keys at the top level) and once over the steady state, the steps >= H + 1 (``steady_state``: the
   same keys plus ``first_step``; one function, :func:`compare_steps`, makes both). H =
-  ``spec.draft_lookahead`` + ``spec.draft_horizon`` - 1 is the last step that step 0's bubble
+  ``ablation.draft_lookahead`` + ``spec.draft_horizon`` - 1 is the last step that step 0's bubble
   drafts (step t's bubble drafts steps t + k .. t + k + h - 1, k the lookahead, h the horizon):
   steps 1 .. H ride on step 0's bubble, that of a step rolled out without drafts (its ranks
   finish closer together), and the steady state starts right after them.
@@ -45,11 +45,11 @@ The comparison:
   ``draft_len_mean`` (drafted tokens / drafted samples), ``draft_coverage`` (drafted tokens / on
   response tokens: the share of the responses the bubbles drafted; a draft longer than its
   response counts in full), ``accepted_coverage`` ((prefix + continuation accepted tokens) / on
-  response tokens); the ceiling (:mod:`megatron_bubblespec.sim.ceiling`): ``accept_per_token`` (a
+  response tokens); the ceiling (:mod:`megatron_bubblespec.measure.sim.ceiling`): ``accept_per_token`` (a
   lower bound from the verified prefixes), ``decode_steps_ratio_ceiling`` = 1 - accept_per_token x
   draft_coverage (the lowest decode steps ratio exact verification allows with these drafts) and
   ``decode_steps_ratio_ceiling_full_coverage`` = 1 - accept_per_token (drafts covering every
-  response); speculative continuation (rollout proposals, ``spec.proposal_sources``):
+  response); speculative continuation (rollout proposals, ``ablation.proposal_sources``):
   ``continuation_proposed_tokens``, ``continuation_accepted_tokens``, ``continuation_accept_rate``
   (accepted / proposed), and per source ``continuation_{proposed,accepted}_tokens_<source>``;
 * bubble, over all steps (the drafts of step t are made in the bubble of step t - 1):
@@ -91,7 +91,7 @@ from megatron_bubblespec.metrics.formatting import (count, number, percent, scie
                                                     value)
 from megatron_bubblespec.metrics.reduce import finite_values, mean_of, total_of, weighted_mean_of
 from megatron_bubblespec.metrics.summary import bubble_utilization, plot_decode_breakdown
-from megatron_bubblespec.sim.ceiling import accept_per_token_lower_bound, decode_steps_ratio_ceiling
+from megatron_bubblespec.measure.sim.ceiling import accept_per_token_lower_bound, decode_steps_ratio_ceiling
 
 Record = Mapping[str, object]
 
@@ -191,10 +191,10 @@ def token_mismatch(on: Sequence[Mapping[int, Sequence[int]]],
 
 
 def steady_state_first_step(cfg) -> int:
-    """H + 1, H = ``spec.draft_lookahead`` + ``spec.draft_horizon`` - 1: step 0's bubble drafts
+    """H + 1, H = ``ablation.draft_lookahead`` + ``spec.draft_horizon`` - 1: step 0's bubble drafts
     steps k .. H (k = the lookahead), all from one long bubble (step 0 rolls out without drafts),
     so the steady state starts right after them."""
-    return cfg.spec.draft_lookahead + cfg.spec.draft_horizon
+    return cfg.ablation.draft_lookahead + cfg.spec.draft_horizon
 
 
 def compare_steps(on: Sequence[Record], off: Sequence[Record], plain: Sequence[Record],
@@ -340,7 +340,7 @@ def _regimes(result: Mapping[str, object]) -> str:
     before = "step 1 takes its" if first == 2 else f"steps 1 .. {first - 1} take their"
     text = (f"Whole run: ratios over steps >= 1 (bubble, token mismatch and training over all "
             f"steps). Steady state: steps >= {first}; before it, {before} drafts (if any) "
-            f"from step 0's bubble (spec.draft_lookahead + spec.draft_horizon - 1 = {first - 1}), "
+            f"from step 0's bubble (ablation.draft_lookahead + spec.draft_horizon - 1 = {first - 1}), "
             f"the bubble of a step rolled out without drafts.")
     if not result["steady_state"]["steps_compared"]:
         text += (f" This run has no steady-state step: run more than {first} steps "
@@ -398,14 +398,15 @@ OFF_RUN_KEYS = {"rollout": ("kv_block_size",)}
 def _as_run(cfg) -> str:
     """The config as the run reads it, in YAML: the keys that cannot change its records set to
     their defaults. A run with BubbleSpec off reads nothing of ``spec`` but ``spec.enabled``
-    (every other key is gated on it) and no key of ``OFF_RUN_KEYS``; no run depends on
+    (every other key, and every ``ablation`` key, is gated on it) and no key of ``OFF_RUN_KEYS``;
+    no run depends on
     ``OBSERVER_KEYS``."""
     from megatron_bubblespec.config.load import to_yaml
-    from megatron_bubblespec.config.schema import SpecConfig
+    from megatron_bubblespec.config.schema import AblationConfig, SpecConfig
 
     neutral = dict(OBSERVER_KEYS)
     if not cfg.spec.enabled:
-        cfg = dataclasses.replace(cfg, spec=SpecConfig(enabled=False))
+        cfg = dataclasses.replace(cfg, spec=SpecConfig(enabled=False), ablation=AblationConfig())
         neutral.update(OFF_RUN_KEYS)
     for room, keys in neutral.items():
         section = getattr(cfg, room)
@@ -455,7 +456,7 @@ def bench(config_path: str | Path, out_dir: str | Path, overrides: Sequence[str]
     plain vLLM replay of the off run) and write the bench files; with ``resume``, the runs that
     already finished there with the same config are kept."""
     from megatron_bubblespec.config import ConfigError, load_config
-    from megatron_bubblespec.loop.plain_replay import check_replayable, replay_plain
+    from megatron_bubblespec.measure.plain_replay import check_replayable, replay_plain
     from megatron_bubblespec.loop.train import train
     from megatron_bubblespec.metrics import plot_run
 
@@ -550,7 +551,7 @@ def cmd_bench(args) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m megatron_bubblespec.loop.bench")
+    parser = argparse.ArgumentParser(prog="python -m megatron_bubblespec.measure.bench")
     add_bench_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["bench", *(argv if argv is not None else __import__("sys").argv[1:])])
     return args.func(args)

@@ -48,7 +48,7 @@ def _ints(text: str) -> list[int]:
 def _lengths(text: str):
     """``calibrated`` | ``empirical`` | ``lognormal:MEDIAN,SIGMA`` (MEDIAN as a fraction of the
     budget); the first two are resolved against the calibration (``length_model``)."""
-    from megatron_bubblespec.sim.model import LengthModel
+    from megatron_bubblespec.measure.sim.model import LengthModel
 
     if text in ("calibrated", "empirical"):
         return text
@@ -68,7 +68,7 @@ def _lengths(text: str):
 def length_model(cal, choice):
     """The grid's length model: the fitted lognormal (``calibrated``), the measured fractions of
     the budget resampled (``empirical``), or a given ``LengthModel``."""
-    from megatron_bubblespec.sim.model import LengthModel
+    from megatron_bubblespec.measure.sim.model import LengthModel
 
     if choice == "calibrated":
         return cal.lengths
@@ -82,7 +82,7 @@ def length_model(cal, choice):
 
 
 def _layouts(text: str) -> list[str]:
-    from megatron_bubblespec.sim.layout import LAYOUTS
+    from megatron_bubblespec.measure.sim.layout import LAYOUTS
 
     names = [part.strip() for part in text.split(",") if part.strip()]
     if not names or any(n not in LAYOUTS for n in names):
@@ -122,7 +122,7 @@ def config_shape(path):
 
 def grid_setting(cal, args):
     """The per-rank shape of the predicted job: calibrated, then --config, then single flags."""
-    from megatron_bubblespec.sim.calibrate import prompt_length
+    from megatron_bubblespec.measure.sim.calibrate import prompt_length
 
     setting = cal.setting
     if cal.grid_accept_prob is not None:
@@ -135,7 +135,7 @@ def grid_setting(cal, args):
             r.prompts_per_step * r.samples_per_prompt // cfg.parallel.data, 1),
             draft_chunk=cfg.spec.draft_chunk, draft_concurrency=cfg.spec.draft_in_flight,
             draft_prefill_tokens=cfg.spec.draft_prefill_tokens,
-            draft_horizon=cfg.spec.draft_horizon, draft_order=cfg.spec.draft_order,
+            draft_horizon=cfg.spec.draft_horizon, draft_order=cfg.ablation.draft_order,
             continuation_k=cfg.spec.spec_k if cfg.spec.speculative_continuation else 0)
         budget_frac = min(cfg.spec.max_draft_tokens, r.max_new_tokens) / r.max_new_tokens
         prompt = prompt_length(cfg) if args.prompt_len is None else None
@@ -182,8 +182,8 @@ def predict(cal, setting, budget_frac: float, lengths, ranks: Sequence[int],
     with the ceiling ``1 - acceptance x coverage`` (``sim.ceiling``) of the point's decode-step
     ratio. ``layouts`` (``sim.layout.EngineLayout``s) set the engines per replica, their TP and
     KV slots; None keeps ``setting``'s."""
-    from megatron_bubblespec.sim.ceiling import decode_steps_ratio_ceiling
-    from megatron_bubblespec.sim.model import simulate
+    from megatron_bubblespec.measure.sim.ceiling import decode_steps_ratio_ceiling
+    from megatron_bubblespec.measure.sim.model import simulate
 
     rows = []
     for layout in layouts or [None]:
@@ -226,7 +226,7 @@ def predict(cal, setting, budget_frac: float, lengths, ranks: Sequence[int],
 def grid_layouts(args) -> tuple[list, list[str], str | None]:
     """``--layouts`` of ``--config`` on GPUs of ``--gpu-memory-gb``: the layouts, the notes on
     those left out, and the model's name (all empty without ``--layouts``)."""
-    from megatron_bubblespec.sim.layout import rollout_layouts
+    from megatron_bubblespec.measure.sim.layout import rollout_layouts
 
     if not args.layouts:
         return [], [], None
@@ -244,7 +244,7 @@ def grid_layouts(args) -> tuple[list, list[str], str | None]:
 
 
 def run_simulation(args) -> dict:
-    from megatron_bubblespec.sim.calibrate import calibrate, calibration_check
+    from megatron_bubblespec.measure.sim.calibrate import calibrate, calibration_check
 
     cal = calibrate(args.bench, args.engine or (), prompt_len=args.prompt_len)
     check = calibration_check(cal, replicates=args.check_replicates, seed=args.seed)
@@ -307,7 +307,7 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
                         help="steps a bubble drafts ahead (spec.draft_horizon; default: the "
                              "calibrated job's, or --config's)")
     parser.add_argument("--draft-order", choices=DRAFT_ORDERS, default=None,
-                        help="which samples a bubble drafts first (spec.draft_order; default: "
+                        help="which samples a bubble drafts first (ablation.draft_order; default: "
                              "the calibrated job's, or --config's)")
     parser.add_argument("--layouts", type=_layouts, default=None,
                         help="comma-separated rollout layouts of --config to simulate: "
@@ -343,8 +343,8 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_simulate(args) -> int:
     """Predict bubble ratio and BubbleSpec speedup at scale from bench measurements (simulated)."""
     from megatron_bubblespec.config import ConfigError
-    from megatron_bubblespec.sim.calibrate import CalibrationError
-    from megatron_bubblespec.sim.report import print_result, write
+    from megatron_bubblespec.measure.sim.calibrate import CalibrationError
+    from megatron_bubblespec.measure.sim.report import print_result, write
 
     if args.accept_prob is not None and not 0.0 <= args.accept_prob <= 1.0:
         print(f"bubblespec simulate: --accept-prob {args.accept_prob} is not in [0, 1]",
