@@ -141,7 +141,5 @@ def load_checkpoint_into(rep, path: Path) -> int:
     if rng.is_file():   # absent when resuming with more ranks than the checkpoint had
         _set_rng_state(torch.load(rng, weights_only=False))
     # The engine still holds the initial weights: give it the restored ones.
-    rep.resharder.sync(rep.engine_shard)
-    if rep.engine_shard is not None:
-        rep.engine_shard.weight_version = rep.state.weight_version
+    rep.resharder.sync(rep.engine_shard, rep.state.weight_version)
     return int(state["completed_steps"])

@@ -64,7 +64,7 @@ class LockstepEngine(RolloutEngine):
     def has_unfinished(self) -> bool:
         return self.shard.has_unfinished()
 
-    def update_weights(self, named_tensors) -> None:
+    def update_weights(self, named_tensors, version: int | None = None) -> None:
         raise RuntimeError("a tensor-parallel engine is updated shard by shard: every rank of the "
                            "replica loads the full tensors into its own engine shard")
 

@@ -284,10 +284,10 @@ def reshard(rep: Replica) -> dict:
     engine, asleep = rep.engine_shard, rep.cfg.rollout.sleep_during_train
     if asleep:
         engine.wake_up(["weights"])
-    stats = rep.resharder.sync(engine)   # every rank of a TP engine loads its shard
-    if asleep:
-        engine.wake_up(["kv_cache"])
     rep.state.weight_version += 1
+    stats = rep.resharder.sync(engine, rep.state.weight_version)   # every rank of a TP engine
+    if asleep:                                                     # loads its shard
+        engine.wake_up(["kv_cache"])
     _check_engine_version(rep, engine)
     return {"sync/reshard_s": stats.seconds, "sync/reshard_bytes": stats.bytes}
 

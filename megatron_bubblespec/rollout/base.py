@@ -49,8 +49,14 @@ class RolloutEngine(abc.ABC):
         """Whether any added request is still queued or running."""
 
     @abc.abstractmethod
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load HF-layout tensors in place (no restart); caches that depend on weights are reset."""
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       version: int | None = None) -> None:
+        """Load HF-layout tensors in place (no restart); caches that depend on weights are reset.
+        The engine then holds weight version ``version`` (None: the next one): only this call
+        changes ``weight_version``, so the loop's version check compares two owners' counts."""
+
+    def _loaded(self, version: int | None) -> None:
+        self.weight_version = self.weight_version + 1 if version is None else version
 
     def generate(self, requests: Iterable[RolloutRequest],
                  params: SamplingParams) -> list[RolloutResult]:

@@ -118,7 +118,7 @@ class ReferenceEngine(RolloutEngine):
             results.append(self._finish(self._running[rid]))
         return results
 
-    def update_weights(self, named_tensors) -> None:
+    def update_weights(self, named_tensors, version: int | None = None) -> None:
         """Strict: a missing, unexpected, repeated or misshapen tensor is an error naming it, and
         the engine keeps its weights."""
         if self._running:
@@ -128,7 +128,7 @@ class ReferenceEngine(RolloutEngine):
         self.model.load(named_tensors)
         if self.previous_model is not None:
             self.previous_model.load(current.items())
-        self.weight_version += 1
+        self._loaded(version)
 
     # ------------------------------------------------------------------ verification
     @torch.no_grad()

@@ -588,7 +588,8 @@ class VLLMEngine(RolloutEngine):
         if core is not None:
             core.shutdown()
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       version: int | None = None) -> None:
         """Stream (name, tensor) pairs into vLLM's in-place reload, one tensor at a time.
 
         With in-process workers (the default, and ``external_launcher``) the iterator itself goes
@@ -607,7 +608,7 @@ class VLLMEngine(RolloutEngine):
         # with reuse_draft_kv the salts (cache_salt) keep rollouts off KV of other weights
         if not self.reuse_draft_kv and not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after the weight update")
-        self.weight_version += 1
+        self._loaded(version)
 
     def sleep(self, level: int = 1) -> None:
         """Free this engine's GPU memory while Megatron trains (``rollout.sleep_during_train``;

@@ -154,11 +154,12 @@ class Resharder:
         for bucket in self.buckets():
             yield from bucket
 
-    def sync(self, engine=None) -> ReshardStats:
-        """Stream every bucket into ``engine.update_weights`` (in-process transport); a rank
-        without an engine still takes part in the gathers and broadcasts (collective)."""
+    def sync(self, engine=None, version: int | None = None) -> ReshardStats:
+        """Stream every bucket into ``engine.update_weights`` (in-process transport), which then
+        holds weight version ``version``; a rank without an engine still takes part in the gathers
+        and broadcasts (collective)."""
         if engine is not None:
-            engine.update_weights(self.named_tensors())
+            engine.update_weights(self.named_tensors(), version)
         else:
             for _ in self.buckets():
                 pass
