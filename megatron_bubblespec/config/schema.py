@@ -46,6 +46,7 @@ class ParallelConfig:
     data: int = 2
     context: int = 1                # context parallelism of the training forward/backward (GPU)
     sequence_parallel: bool = False # Megatron sequence parallelism inside the TP group
+    expert: int = 1                 # Megatron expert parallelism (mixtures of experts); divides data
     # Megatron's rank order, innermost first. The default keeps DP inside PP (a replica's stages
     # far apart); tp-cp-ep-pp-dp makes each replica's ranks consecutive, so a rollout engine
     # (rollout.tensor_parallel consecutive ranks) may span its pipeline stages.
@@ -132,6 +133,10 @@ class TrainConfig:
     normalize_advantage_std: bool = True
     use_distributed_optimizer: bool = False
     recompute_activations: bool = False  # full per-layer activation recompute (long contexts)
+    # the MoE router's load-balancing loss (Megatron's moe_router_load_balancing_type and
+    # moe_aux_loss_coeff); RL recipes keep it off or small
+    moe_load_balancing: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
     offload_during_rollout: bool = False  # optimizer state + gradient buffers on the host while engines generate (GPU)
 
 
@@ -181,6 +186,7 @@ CHOICES = {
     "ablation.draft_source": ("bubble", "previous_epoch"),
     "ablation.draft_order": DRAFT_ORDERS,
     "data.split": ("train", "test"),
+    "train.moe_load_balancing": ("aux_loss", "seq_aux_loss", "none"),
     "model.dtype": ("float32", "float64", "bfloat16"),
 }
 
@@ -192,6 +198,8 @@ BOUNDS = {
     "parallel.tensor": (lambda v: v >= 1, ">= 1"),
     "parallel.pipeline": (lambda v: v >= 1, ">= 1"),
     "parallel.data": (lambda v: v >= 1, ">= 1"),
+    "parallel.expert": (lambda v: v >= 1, ">= 1"),
+    "train.moe_aux_loss_coeff": (lambda v: v >= 0, ">= 0 (0 = off)"),
     "rollout.temperature": (lambda v: v >= 0, ">= 0"),
     "rollout.top_k": (lambda v: v >= 0, ">= 0 (0 = off)"),
     "rollout.top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
