@@ -1,6 +1,10 @@
-"""Pytest hooks: tests marked ``gpu`` run only where torch sees a CUDA device; the tiny-config
-runs (BubbleSpec on and off) that several test files compare against, made once per session."""
+"""Pytest hooks and shared fixtures: ``gpu`` tests only where CUDA is; an unmarked test that
+starts a process or a vLLM engine fails (it belongs to the ``slow`` tier); tiny checkpoints and the
+tiny-config runs (BubbleSpec on and off), made once per session."""
 
+import contextlib
+import multiprocessing.process
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -9,6 +13,73 @@ import torch
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 QUIET = ("logging.progress=false", "logging.plot=false", "logging.tensorboard=false")
+
+
+class _SlowWork(RuntimeError):
+    pass
+
+
+def _forbid(what: str):
+    def refuse(*_args, **_kwargs):
+        raise _SlowWork(f"this test {what} but is not marked slow: mark it @pytest.mark.slow "
+                        "(make test-fast runs only the tests that take seconds)")
+    return refuse
+
+
+# Programs that answer in milliseconds: a quick test may ask them about the machine.
+CHEAP_PROGRAMS = {"lscpu", "nproc", "uname", "hostname", "getconf", "free", "scontrol", "git",
+                  "nvidia-smi"}
+
+
+def _popen_guard(original):
+    def popen(self, args, *rest, **kwargs):
+        argv = [args] if isinstance(args, (str, bytes, Path)) else list(args)
+        program = Path(str(argv[0]).split()[0]).name if argv else ""
+        if program not in CHEAP_PROGRAMS:
+            _forbid(f"starts a process ({program})")()
+        original(self, args, *rest, **kwargs)
+    return popen
+
+
+def _guarded():
+    """(owner, attribute, replacement) for everything a quick test may not start."""
+    from megatron_bubblespec.rollout import vllm_engine
+
+    return [(multiprocessing.process.BaseProcess, "start",
+             _forbid("starts a process (multiprocessing)")),
+            (subprocess.Popen, "__init__", _popen_guard(subprocess.Popen.__init__)),
+            (vllm_engine.VLLMEngine, "__init__", _forbid("starts a vLLM engine"))]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    with _fast_tier_rule(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    with _fast_tier_rule(item):
+        yield
+
+
+@contextlib.contextmanager
+def _fast_tier_rule(item):
+    """The quick tier's rule, checked rather than remembered: a test without the ``slow`` (or
+    ``gpu``) mark may not start a process or a vLLM engine, in its body or in any fixture it sets
+    up (session-scoped ones included)."""
+    if item.get_closest_marker("slow") or item.get_closest_marker("gpu"):
+        yield
+        return
+    guarded = _guarded()
+    saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in guarded]
+    for owner, name, replacement in guarded:
+        setattr(owner, name, replacement)
+    try:
+        yield
+    finally:
+        for owner, name, original in saved:
+            setattr(owner, name, original)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -34,3 +105,21 @@ def tiny_runs(tmp_path_factory):
         return train(cfg, return_weights=True)
 
     return SimpleNamespace(root=root, on=run("spec-on"), off=run("spec-off", "spec.enabled=false"))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A factory of tiny random HF checkpoints written by transformers, one per distinct
+    (family, shape), shared by every test of the session: ``tiny_checkpoint("llama", vocab_size=64)``."""
+    from megatron_bubblespec.models.architecture import make_tiny_checkpoint
+
+    made: dict[tuple, Path] = {}
+
+    def make(family: str = "llama", **shape) -> Path:
+        key = (family, tuple(sorted(shape.items())))
+        if key not in made:
+            made[key] = make_tiny_checkpoint(tmp_path_factory.mktemp(f"tiny-{family}"), family,
+                                             **shape)
+        return made[key]
+
+    return make

@@ -144,6 +144,7 @@ def test_an_off_run_of_another_seed_is_not_reused(tmp_path, monkeypatch):
                                    ["run.seed=2", "run.steps=1", "spec.enabled=false"]) is None
 
 
+@pytest.mark.slow   # starts a process
 def test_continuation_study_refuses_an_unknown_source_before_any_run(tmp_path):
     proc = subprocess.run([sys.executable, str(SCRIPT), "--config", "configs/tiny.yaml",
                            "--out", str(tmp_path), "--sources", "self+elsewhere"],

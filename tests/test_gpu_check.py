@@ -34,10 +34,12 @@ def _ctx(gpu_check, tmp_path, budget_s=290):
     return gpu_check.Context(tmp_path, tmp_path / "gpu-metrics.jsonl", now, now + budget_s)
 
 
+@pytest.mark.slow   # starts a process
 def test_the_wrapper_parses():
     subprocess.run(["bash", "-n", str(ROOT / "scripts" / "gpu_check.sh")], check=True)
 
 
+@pytest.mark.slow   # starts a process
 def test_the_module_imports_and_formats_without_torch():
     code = ("import sys; sys.modules['torch'] = None; import importlib.util as u; "
             f"s = u.spec_from_file_location('gpu_check', {str(SCRIPT)!r}); "
@@ -100,6 +102,7 @@ def test_a_stage_gets_its_limit_within_the_budget(gpu_check, tmp_path):
     assert dataclasses.replace(ctx, limit_s=180, reserve_s=170).seconds() == 5
 
 
+@pytest.mark.slow   # starts a process
 def test_a_command_past_its_limit_is_stopped(gpu_check, tmp_path):
     log = tmp_path / "sleep.log"
     t0 = time.time()
@@ -161,6 +164,7 @@ def test_unreadable_metrics_do_not_hide_the_table(gpu_check, tmp_path):
     assert any("unreadable" in line for line in lines) and lines[-1].startswith("total")
 
 
+@pytest.mark.slow   # starts a process
 def test_missing_requirements_leaves_torch_to_the_machine():
     out = subprocess.run([sys.executable, str(SCRIPT), "--missing-requirements"],
                          capture_output=True, text=True, check=True)
@@ -176,6 +180,7 @@ def gpu_env(monkeypatch, tmp_path):
     return module
 
 
+@pytest.mark.slow   # starts a process
 def test_the_interpreter_set_up_needs_only_the_standard_library():
     code = ("import sys; sys.modules['torch'] = sys.modules['megatron_bubblespec'] = None; "
             "import importlib.util as u; "

@@ -96,6 +96,7 @@ def _two_steps(path, offload):
     return weights
 
 
+@pytest.mark.slow   # starts a process
 @pytest.mark.parametrize("switch", ["rollout.sleep_during_train=true",
                                     "train.offload_during_rollout=true"])
 def test_the_gpu_memory_switches_are_refused_on_cpu(switch):
