@@ -11,13 +11,15 @@ from pathlib import Path
 import pytest
 
 from megatron_bubblespec.config import load_config
-from megatron_bubblespec.measure.bench import (RANGED, add_bench_parser, bench, compare, compare_steps,
-                                            finished_run, markdown_summary,
-                                            steady_state_first_step, token_mismatch)
+from megatron_bubblespec.config.schema import PROPOSAL_SOURCES
 from megatron_bubblespec.data.lookahead import LookaheadSampler
 from megatron_bubblespec.loop.layout import RolloutLayout
+from megatron_bubblespec.loop.run_dir import RunDir
+from megatron_bubblespec.measure.bench import (add_bench_parser, bench, compare, compare_steps,
+                                               finished_run, steady_state_first_step,
+                                               token_mismatch)
+from megatron_bubblespec.measure.bench_report import markdown_steps, markdown_summary
 from megatron_bubblespec.measure.plain_replay import check_replayable, load_run, step_requests
-from megatron_bubblespec.metrics.rollouts import read_rollouts
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -61,7 +63,7 @@ def test_bench_json_has_the_paired_numbers(result):
     assert r["config"] == str(TINY) and "run.steps=3" in r["overrides"]
     for mode in ("on", "off", "plain"):
         assert [s["step"] for s in r["series"][mode]] == [0, 1, 2]
-        assert (out / f"tiny-{mode}" / "metrics.jsonl").is_file()
+        assert [x["step"] for x in RunDir(out / f"tiny-{mode}").read_metrics()] == [0, 1, 2]
     assert r["runs"]["plain"] == str(out / "tiny-plain")
     assert r["throughput_vs_plain"] == pytest.approx(
         r["rollout_time_plain_s"] / (r["rollout_time_on_s"] + r["verify_time_on_s"]
@@ -73,7 +75,7 @@ def test_bench_steady_state_block(result):
     _, r = result
     steady = r["steady_state"]
     assert steady["first_step"] == 2 and steady["steps_compared"] == 1  # lookahead 1 + horizon 1
-    assert set(steady) == RANGED
+    assert set(steady) == set(compare_steps((), (), (), 1))
     for key in STEADY_RATIOS:
         assert steady[key] is not None and math.isfinite(steady[key]) and steady[key] > 0, key
     step2 = {mode: r["series"][mode][2] for mode in ("on", "off", "plain")}
@@ -88,7 +90,7 @@ def test_bench_steady_state_block(result):
 @SLOW
 def test_plain_replay_generates_the_off_runs_token_counts(result):
     out, r = result
-    off, plain = read_rollouts(out / "tiny-off"), read_rollouts(out / "tiny-plain")
+    off, plain = RunDir(out / "tiny-off").read_rollouts(), RunDir(out / "tiny-plain").read_rollouts()
     assert len(plain) == len(off) == 3
     for step, (a, b) in enumerate(zip(off, plain)):
         assert {g: len(t) for g, t in b.items()} == {g: len(t) for g, t in a.items()}, step
@@ -195,12 +197,33 @@ def test_steady_state_is_the_same_numbers_over_the_later_steps():
     assert steady["accept_rate"] == pytest.approx(0.25)
     assert r["accept_rate"] == pytest.approx(80 / 120)
     whole = compare_steps(on, off, plain, 1)
-    assert same({k: r[k] for k in RANGED - {"first_step"}}, whole) and whole["first_step"] == 1
+    assert same({k: r[k] for k in set(whole) - {"first_step"}}, whole) and whole["first_step"] == 1
     assert math.isnan(compare(on, off)["throughput_vs_plain"])  # no replay: no plain numbers
     md = markdown_summary(r)
     assert "| decode steps on / off | 0.450 | 0.600 |" in md
     assert "| learning rate | - |  |" in md  # a whole-run-only number has no steady value
     assert math.isnan(compare(on, off, plain, steady_from=3)["steady_state"]["decode_steps_ratio"])
+
+
+def test_bench_tables_show_every_proposal_source_and_the_registrys_columns():
+    on = [{"step": 0, "rollout/decode_steps": 100, "rollout/time_s": 9.0},
+          {"step": 1, "rollout/decode_steps": 60, "rollout/time_s": 2.0,
+           "spec/continuation_proposed_tokens/realign": 5,
+           "spec/continuation_accepted_tokens/siblings": 2, "spec/accept_rate": 0.5}]
+    off = [{"step": s, "rollout/decode_steps": 100, "rollout/time_s": 3.0} for s in range(2)]
+    r = compare(on, off)
+    assert r["continuation_proposed_tokens_realign"] == 5
+    assert r["continuation_accepted_tokens_siblings"] == 2
+    md = markdown_summary(r)
+    for source in PROPOSAL_SOURCES:
+        for kind in ("proposed", "accepted"):
+            assert f"| continuation {kind} tokens from {source} |" in md, (kind, source)
+    assert "| continuation proposed tokens from realign | 5 |" in md
+    assert "| continuation accepted tokens from siblings | 2 |" in md
+    steps = markdown_steps(on, off).splitlines()
+    assert steps[0].startswith("| step | decode steps on | decode steps off | engine steps on |")
+    assert "| accept rate on |" in steps[0] and "rollout plain" not in steps[0]
+    assert steps[3].startswith("| 1 | 60 | 100 |") and "| 50.0% |" in steps[3]
 
 
 def test_steady_state_starts_after_the_steps_step_0s_bubble_drafts():

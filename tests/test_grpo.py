@@ -45,14 +45,9 @@ from megatron_bubblespec.train.grpo import (
     token_mean,
 )
 from megatron_bubblespec.train.onpolicy import logprob_gap
-from megatron_bubblespec.train.trainer import (
-    GRPOBatch,
-    MegatronTrainer,
-    TrainerConfig,
-    gather_responses,
-    pack_sequences,
-    scatter_responses,
-)
+from megatron_bubblespec.train.batch import (GRPOBatch, gather_responses, pack_sequences,
+                                              scatter_responses)
+from megatron_bubblespec.train.trainer import MegatronTrainer, TrainerConfig
 
 VOCAB = 250                  # not a multiple of 128: Megatron's vocabulary padding is exercised
 GROUP = 4

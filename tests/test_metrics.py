@@ -10,10 +10,13 @@
 
 from __future__ import annotations
 
+import ast
 import io
 import json
 import math
 import random
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,9 +35,10 @@ from megatron_bubblespec.metrics import (
     summary_table,
     to_json,
 )
-from megatron_bubblespec.metrics.aggregate import DERIVED, MAXED, MEANED, SUMMED
 from megatron_bubblespec.metrics.formatting import count, number, percent, scientific, seconds
-from megatron_bubblespec.metrics.summary import bubble_utilization, plot_decode_breakdown
+from megatron_bubblespec.metrics.plots import plot_decode_breakdown
+from megatron_bubblespec.metrics.reduce import bubble_utilization
+from megatron_bubblespec.metrics.registry import DERIVED, METRICS, REPORTED, SOURCE, lookup
 
 # Three ranks of one step: rank 1 is the straggler (12 s), rank 2 drafted nothing it could use.
 RANKS = [
@@ -143,13 +147,91 @@ def test_aggregate_keeps_bubble_metrics_per_rank():
     assert not any(k.startswith("rank3/") for k in rec)
 
 
-def test_every_listed_metric_has_one_rule():
+def test_every_engine_metric_and_every_derived_one_reaches_the_record():
     rec = aggregate_step(0, RANKS)
-    listed = set(SUMMED) | set(MAXED) | set(MEANED) | set(DERIVED)
-    assert len(listed) == len(SUMMED) + len(MAXED) + len(MEANED) + len(DERIVED)
-    assert listed | {"spec/accepted_prefix_mean", "exact/weight_version"} <= set(rec)
+    expected = {name for name, m in METRICS.items()
+                if (m.reduce in REPORTED and not m.per_source) or m.reduce == DERIVED}
+    assert expected <= set(rec), sorted(expected - set(rec))
     # measured per engine at start-up (ablation.measure_proposal_cost); an engine without one is left out
     assert close(rec["spec/proposal_token_cost"], 0.3)
+
+
+def test_continuation_counts_are_kept_per_source_and_unknown_keys_are_refused():
+    ranks = [{**RANKS[0], "spec/continuation_proposed_tokens/realign": 3},
+             {**RANKS[1], "spec/continuation_proposed_tokens/realign": 4,
+              "spec/continuation_accepted_tokens/siblings": 2}, RANKS[2]]
+    rec = aggregate_step(0, ranks)
+    assert rec["spec/continuation_proposed_tokens/realign"] == 7
+    assert rec["spec/continuation_accepted_tokens/siblings"] == 2
+    keys = list(rec)   # after the other sums, in key order
+    assert keys.index("sync/reshard_bytes") < keys.index(
+        "spec/continuation_accepted_tokens/siblings") < keys.index(
+        "spec/continuation_proposed_tokens/realign") < keys.index("rollout/time_s")
+    with pytest.raises(ValueError, match=r"cannot aggregate \['spec/made_up'\].*registry"):
+        aggregate_step(0, [{**RANKS[0], "spec/made_up": 1}])
+    with pytest.raises(ValueError, match="computed from the aggregated sums"):
+        aggregate_step(0, [{**RANKS[0], "spec/accept_rate": 0.5}])
+    with pytest.raises(ValueError, match="cannot aggregate"):   # the trainer's own, not an engine's
+        aggregate_step(0, [{**RANKS[0], "train/pg_loss": 0.5}])
+
+
+# Metric keys look like "<room>/<name>" or "<room>/<name>/<part>", the room one of the registry's.
+ROOMS = "|".join(sorted({name.split("/")[0] for name in METRICS}))
+KEY_SHAPE = re.compile(rf"^({ROOMS})/[a-z_{{}}]+(/[a-z_{{}}]+)?$")
+PRODUCERS = ("loop", "spec", "train", "rollout")   # the packages that emit step metrics
+
+
+def _emitted_keys(path) -> set[str]:
+    """The metric keys a module's source writes: string constants of the key shape, and
+    f-strings of that shape (each placeholder read as ``{x}``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    parts = {id(p) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr)
+             for p in node.values}
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            text = "".join(p.value if isinstance(p, ast.Constant) else "{x}" for p in node.values)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and id(node) not in parts:
+            text = node.value
+        else:
+            continue
+        if KEY_SHAPE.match(text):
+            found.add(text)
+    return found
+
+
+def _known(key: str) -> bool:
+    if "{x}" not in key:
+        return lookup(key) is not None
+    # f"spec/continuation_{kind}_tokens/{source}": every spelling must be a per-source family
+    families = [m for m in METRICS.values() if m.per_source]
+    pattern = re.compile("^" + re.escape(key).replace(r"\{x\}", "[a-z_]+") + "$")
+    return any(pattern.match(m.name.replace(SOURCE, "any")) for m in families)
+
+
+def test_every_metric_the_producers_emit_is_registered():
+    root = Path(__file__).resolve().parents[1] / "megatron_bubblespec"
+    emitted = {}
+    for package in PRODUCERS:
+        for path in sorted((root / package).rglob("*.py")):
+            for key in _emitted_keys(path):
+                emitted.setdefault(key, []).append(str(path.relative_to(root)))
+    unknown = {k: where for k, where in sorted(emitted.items()) if not _known(k)}
+    assert not unknown, (f"metrics emitted but not declared in megatron_bubblespec/metrics/"
+                         f"registry.py (add a Metric for each): {unknown}")
+    # the scan sees the producers' keys, literal and per source
+    assert {"rollout/time_s", "bubble/idle_s", "train/pg_loss", "sync/reshard_s",
+            "spec/continuation_{x}_tokens/{x}"} <= set(emitted)
+
+
+def test_the_emitted_key_scan_sees_an_unregistered_metric(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text('m = {"rollout/time_s": 1, "rollout/new_thing": 2, f"spec/x_{k}/{s}": 3,\n'
+                      '     "path/to/file": 4, f"bubblespec/{x}": 5}\n')
+    emitted = _emitted_keys(source)
+    assert emitted == {"rollout/time_s", "rollout/new_thing", "spec/x_{x}/{x}"}
+    assert [k for k in sorted(emitted) if not _known(k)] == ["rollout/new_thing", "spec/x_{x}/{x}"]
 
 
 def test_aggregate_without_drafts_reports_no_spec_ratios():
@@ -341,8 +423,8 @@ def test_progress_prints_one_line_per_step_off_terminal():
         assert line.startswith(f"training step {r['step']} [{i + 1}/3] | reward ")
         assert f"bubble {100 * r['bubble/ratio']:.1f}%" in line
         assert " | step " in line and line.endswith("s")
-    assert "drafted - / accepted - tok" in lines[0]  # step 0 has no drafts yet
-    assert f"drafted {records[1]['spec/drafted_tokens']:,}" in lines[1]
+    assert "drafts tok - | accept tok -" in lines[0]  # step 0 has no drafts yet
+    assert f"drafts tok {records[1]['spec/drafted_tokens']:,}" in lines[1]
 
 
 def test_progress_live_bar_on_terminal():

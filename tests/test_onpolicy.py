@@ -18,8 +18,8 @@ from megatron_bubblespec.train.model import build_gpt_model
 from megatron_bubblespec.train.onpolicy import (LIMITS, OffPolicyError, check_on_policy,
                                                 logprob_gap)
 from megatron_bubblespec.train.sharding import load_hf_weights
-from megatron_bubblespec.train.trainer import (GRPOBatch, MegatronTrainer, TrainerConfig,
-                                               gather_responses)
+from megatron_bubblespec.train.batch import GRPOBatch, gather_responses
+from megatron_bubblespec.train.trainer import MegatronTrainer, TrainerConfig
 
 VOCAB, GROUP, PROMPTS, NEW_TOKENS = 256, 4, 4, 32
 LR = 1e-4                   # configs/tiny.yaml

@@ -55,7 +55,7 @@ The comparison:
 * bubble, over all steps (the drafts of step t are made in the bubble of step t - 1):
   ``bubble_ratio_off`` = idle share of the off run's rank rollout time (the bubble there is to use),
   ``bubble_ratio_on``, ``bubble_utilization`` = on drafting time / on idle time of the bubbles
-  that could draft (:func:`megatron_bubblespec.metrics.summary.bubble_utilization`: the last step
+  that could draft (:func:`megatron_bubblespec.metrics.reduce.bubble_utilization`: the last step
   has nothing to draft);
 * exactness: ``token_mismatch`` = response token positions that differ between the two runs over
   all steps and samples (a length difference counts its extra tokens, a sample missing from one run
@@ -83,90 +83,18 @@ import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from megatron_bubblespec.config.schema import PROPOSAL_SOURCES
 from megatron_bubblespec.machine import machine_info
+from megatron_bubblespec.measure.bench_report import SOURCE_COUNTS, markdown, markdown_summary
+from megatron_bubblespec.measure.sim.ceiling import (accept_per_token_lower_bound,
+                                                     decode_steps_ratio_ceiling)
 from megatron_bubblespec.metrics import to_json
 from megatron_bubblespec.metrics.aggregate import ratio
-from megatron_bubblespec.metrics.formatting import (count, number, percent, scientific, seconds,
-                                                    value)
-from megatron_bubblespec.metrics.reduce import finite_values, mean_of, total_of, weighted_mean_of
-from megatron_bubblespec.metrics.summary import bubble_utilization, plot_decode_breakdown
-from megatron_bubblespec.measure.sim.ceiling import accept_per_token_lower_bound, decode_steps_ratio_ceiling
+from megatron_bubblespec.metrics.formatting import value
+from megatron_bubblespec.metrics.plots import plot_decode_breakdown, plot_run
+from megatron_bubblespec.metrics.reduce import (bubble_utilization, finite_values, mean_of,
+                                               total_of, weighted_mean_of)
 
 Record = Mapping[str, object]
-
-# (label, key in the result, formatter) of the summary table in bench.md, in row order; the keys
-# of compare_steps get a steady-state value too.
-SUMMARY_ROWS = (
-    ("decode steps on / off", "decode_steps_ratio", number),
-    ("engine steps on / off", "engine_steps_ratio", number),
-    ("rollout time on / off", "rollout_time_ratio", number),
-    ("throughput on vs off (off time / on time)", "throughput_ratio", number),
-    ("throughput with verify (off / (on + verify + overshoot))", "throughput_ratio_with_verify",
-     number),
-    ("throughput vs plain vLLM (plain / (on + verify + overshoot))", "throughput_vs_plain", number),
-    ("throughput off vs plain vLLM (plain / off: the keyed draw)", "throughput_off_vs_plain",
-     number),
-    ("verify time / on rollout time", "verify_overhead_frac", percent),
-    ("overshoot time / on rollout time", "overshoot_frac", percent),
-    ("rollout time on", "rollout_time_on_s", seconds),
-    ("rollout time off", "rollout_time_off_s", seconds),
-    ("rollout time plain vLLM", "rollout_time_plain_s", seconds),
-    ("verify time on", "verify_time_on_s", seconds),
-    ("overshoot time on (drafting past the barrier)", "overshoot_time_on_s", seconds),
-    ("decode steps on", "decode_steps_on", count),
-    ("decode steps off", "decode_steps_off", count),
-    ("engine steps on", "engine_steps_on", count),
-    ("engine steps off", "engine_steps_off", count),
-    ("accepted prefix mean (tokens)", "accepted_prefix_mean", number),
-    ("accept rate (accepted / drafted tokens)", "accept_rate", percent),
-    ("drafted tokens", "drafted_tokens", count),
-    ("draft length mean (tokens per drafted sample)", "draft_len_mean", number),
-    ("drafted share of the responses", "draft_coverage", percent),
-    ("accepted share of the responses", "accepted_coverage", percent),
-    ("per-token acceptance (lower bound, from the prefixes)", "accept_per_token", percent),
-    ("decode steps on / off ceiling with these drafts", "decode_steps_ratio_ceiling", number),
-    ("decode steps on / off ceiling, drafts covering all", "decode_steps_ratio_ceiling_full_coverage",
-     number),
-    ("accepted tokens", "accepted_tokens", count),
-    ("continuation proposed tokens", "continuation_proposed_tokens", count),
-    ("continuation accepted tokens", "continuation_accepted_tokens", count),
-    ("continuation accept rate (accepted / proposed)", "continuation_accept_rate", percent),
-    ("continuation proposed tokens from bubble", "continuation_proposed_tokens_bubble", count),
-    ("continuation accepted tokens from bubble", "continuation_accepted_tokens_bubble", count),
-    ("continuation proposed tokens from prompt", "continuation_proposed_tokens_prompt", count),
-    ("continuation accepted tokens from prompt", "continuation_accepted_tokens_prompt", count),
-    ("continuation proposed tokens from self", "continuation_proposed_tokens_self", count),
-    ("continuation accepted tokens from self", "continuation_accepted_tokens_self", count),
-    ("bubble ratio, off run (all steps)", "bubble_ratio_off", percent),
-    ("bubble ratio, on run (all steps)", "bubble_ratio_on", percent),
-    ("bubble utilization (drafting / idle), on run (all steps)", "bubble_utilization", percent),
-    ("token mismatch on vs off (tokens, all steps)", "token_mismatch", count),
-    ("token mismatch on vs off (samples, all steps)", "token_mismatch_samples", count),
-    ("reward mean, on run", "reward_mean_on", number),
-    ("reward mean, off run", "reward_mean_off", number),
-    ("learning rate", "lr", scientific),
-    ("policy drift KL mean, on run", "policy_drift_kl_mean", scientific),
-)
-
-# (header, metric, formatter) of the per-step table in bench.md; each shown for on and off.
-STEP_COLUMNS = (
-    ("decode steps", "rollout/decode_steps", count),
-    ("engine steps", "rollout/engine_steps", count),
-    ("rollout", "rollout/time_s", seconds),
-    ("verify", "spec/verify_s", seconds),
-    ("bubble", "bubble/ratio", percent),
-)
-# Shown for the plain vLLM replay, when there is one.
-STEP_COLUMNS_PLAIN = (("rollout plain", "rollout/time_s", seconds),)
-# Shown for the on run only.
-STEP_COLUMNS_ON = (
-    ("util", "bubble/utilization", percent),
-    ("accept", "spec/accept_rate", percent),
-    ("prefix", "spec/accepted_prefix_mean", number),
-    ("drift KL", "policy/drift_kl", scientific),
-)
-
 
 def token_mismatch(on: Sequence[Mapping[int, Sequence[int]]],
                    off: Sequence[Mapping[int, Sequence[int]]]) -> tuple[int, int]:
@@ -251,9 +179,7 @@ def compare_steps(on: Sequence[Record], off: Sequence[Record], plain: Sequence[R
         "continuation_proposed_tokens": proposed,
         "continuation_accepted_tokens": continued,
         "continuation_accept_rate": ratio(continued, proposed),
-        **{f"continuation_{kind}_tokens_{source}":
-           total_of(on, f"spec/continuation_{kind}_tokens/{source}")
-           for source in PROPOSAL_SOURCES for kind in ("proposed", "accepted")},
+        **{result: total_of(on, key) for key, result, _, _ in SOURCE_COUNTS},
     }
 
 
@@ -285,103 +211,6 @@ def compare(on: Sequence[Record], off: Sequence[Record], plain: Sequence[Record]
     if steady_from is not None:
         result["steady_state"] = compare_steps(on, off, plain, steady_from)
     return result
-
-
-def _fmt(fmt, x) -> str:
-    return fmt(math.nan if x is None else float(x))
-
-
-# The keys compare_steps computes over a step range (the ones with a steady-state value).
-RANGED = frozenset(compare_steps((), (), (), 1))
-
-
-def markdown_summary(result: Mapping[str, object]) -> str:
-    """The summary table of bench.md: one row per number, whole run | steady state."""
-    steady = result.get("steady_state")
-    if not steady:
-        lines = ["| metric | whole run (steps >= 1) |", "|---|---:|"]
-        lines += [f"| {label} | {_fmt(fmt, result.get(key))} |" for label, key, fmt in SUMMARY_ROWS]
-        return "\n".join(lines)
-    first = steady["first_step"]
-    lines = [f"| metric | whole run (steps >= 1) | steady state (steps >= {first}) |",
-             "|---|---:|---:|"]
-    for label, key, fmt in SUMMARY_ROWS:
-        later = _fmt(fmt, steady.get(key)) if key in RANGED else ""
-        lines.append(f"| {label} | {_fmt(fmt, result.get(key))} | {later} |")
-    return "\n".join(lines)
-
-
-def markdown_steps(on: Sequence[Record], off: Sequence[Record],
-                   plain: Sequence[Record] = ()) -> str:
-    """The per-step table of bench.md: on and off side by side (and the plain vLLM replay)."""
-    plain_columns = STEP_COLUMNS_PLAIN if plain else ()
-    header = ["step"]
-    for name, _, _ in STEP_COLUMNS:
-        header += [f"{name} on", f"{name} off"]
-    header += [name for name, _, _ in plain_columns]
-    header += [f"{name} on" for name, _, _ in STEP_COLUMNS_ON]
-    lines = ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
-    for step in range(max(len(on), len(off))):
-        a = on[step] if step < len(on) else {}
-        b = off[step] if step < len(off) else {}
-        c = plain[step] if step < len(plain) else {}
-        row = [str(step)]
-        for _, key, fmt in STEP_COLUMNS:
-            row += [fmt(value(a, key)), fmt(value(b, key))]
-        row += [fmt(value(c, key)) for _, key, fmt in plain_columns]
-        row += [fmt(value(a, key)) for _, key, fmt in STEP_COLUMNS_ON]
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
-
-
-def _regimes(result: Mapping[str, object]) -> str:
-    """The paragraph of bench.md on the two step ranges and the plain baseline."""
-    first = result["steady_state"]["first_step"]
-    before = "step 1 takes its" if first == 2 else f"steps 1 .. {first - 1} take their"
-    text = (f"Whole run: ratios over steps >= 1 (bubble, token mismatch and training over all "
-            f"steps). Steady state: steps >= {first}; before it, {before} drafts (if any) "
-            f"from step 0's bubble (ablation.draft_lookahead + spec.draft_horizon - 1 = {first - 1}), "
-            f"the bubble of a step rolled out without drafts.")
-    if not result["steady_state"]["steps_compared"]:
-        text += (f" This run has no steady-state step: run more than {first} steps "
-                 "(run.steps) for one.")
-    if result["series"].get("plain"):
-        text += (" Plain vLLM: the off run's samples replayed with vLLM's own sampler (no keyed "
-                 "draw, no drafts), each exactly as many tokens as in the off run, initial "
-                 "checkpoint, each DP rank's batch timed in turn, the slowest per step.")
-    else:
-        text += " Plain vLLM replay skipped (--no-plain): its numbers are empty."
-    return text
-
-
-def markdown(result: Mapping[str, object]) -> str:
-    m = result["machine"]
-    over = " ".join(result["overrides"]) or "(none)"
-    series = result["series"]
-    return "\n".join([
-        f"# BubbleSpec on vs off: {result['name']}",
-        "",
-        f"config `{result['config']}`, overrides `{over}`; {result['steps']} steps per run.",
-        f"machine: {m['cpus_usable']} of {m['cpu_count']} CPUs, torch {m['torch']}, "
-        f"{m['cuda'] or 'no GPU'}, {m['started']} to {m['date']} ({m['wall_s']:.0f} s), "
-        f"load average at the end "
-        f"{' '.join(f'{x:.2f}' for x in m['loadavg_1_5_15'] or ())}"
-        + (f"; runs kept from an earlier bench (--resume): {', '.join(m['reused'])}."
-           if m.get("reused") else "."),
-        "",
-        _regimes(result),
-        "",
-        markdown_summary(result),
-        "",
-        "## Per step",
-        "",
-        markdown_steps(series["on"], series["off"], series.get("plain", ())),
-        "",
-        "## Where the decode steps went (on run; line: decode steps of the off run)",
-        "",
-        "![decode steps per step](bench_decode.png)",
-        "",
-    ])
 
 
 # Keys no run's tokens, counts or rollout work depend on: where and how often it checkpoints,
@@ -422,17 +251,14 @@ def finished_run(run_cfg, steps: int | None = None) -> dict | None:
     leaves out: an off run serves benches of any spec settings and KV block);
     else None. A plain replay directory has no config of its own: pass the off run's config and
     its run name."""
-    from megatron_bubblespec.config import ConfigError, load_config
-    from megatron_bubblespec.loop.train import run_dir
-    from megatron_bubblespec.metrics import read_metrics
-    from megatron_bubblespec.metrics.rollouts import read_rollouts
+    from megatron_bubblespec.config import ConfigError
+    from megatron_bubblespec.loop.run_dir import RunDir
 
-    path = run_dir(run_cfg)
+    run = RunDir.of(run_cfg)
     steps = run_cfg.run.steps if steps is None else steps
-    config = path / "config.yaml"
-    if config.is_file():
+    if run.has_config():
         try:
-            saved = load_config(config)   # but where the run lies now, and its config's file
+            saved = run.read_config()   # but where the run lies now, and its config's file
             saved = dataclasses.replace(
                 saved, config_path=run_cfg.config_path,
                 run=dataclasses.replace(saved.run, output_dir=run_cfg.run.output_dir))
@@ -441,10 +267,10 @@ def finished_run(run_cfg, steps: int | None = None) -> dict | None:
         except ConfigError:
             return None
     try:
-        records = read_metrics(path)
+        records = run.read_metrics()
     except (FileNotFoundError, ValueError):
         return None
-    rollouts = read_rollouts(path)
+    rollouts = run.read_rollouts()
     if [r["step"] for r in records] != list(range(steps)) or len(rollouts) != steps:
         return None
     return {"records": records, "rollouts": rollouts}
@@ -456,47 +282,27 @@ def bench(config_path: str | Path, out_dir: str | Path, overrides: Sequence[str]
     plain vLLM replay of the off run) and write the bench files; with ``resume``, the runs that
     already finished there with the same config are kept."""
     from megatron_bubblespec.config import ConfigError, load_config
-    from megatron_bubblespec.measure.plain_replay import check_replayable, replay_plain
-    from megatron_bubblespec.loop.train import train
-    from megatron_bubblespec.metrics import plot_run
+    from megatron_bubblespec.measure.plain_replay import check_replayable
 
-    out = Path(out_dir)
-    overrides = list(overrides)
+    out, overrides = Path(out_dir), list(overrides)
     cfg = load_config(config_path, overrides)  # validates before any run starts
-    name = cfg.run.name
     if plain:
         try:
             check_replayable(cfg)
         except ValueError as err:
             raise ConfigError(str(err)) from None
     started, t0 = datetime.datetime.now().astimezone(), time.perf_counter()
-    runs, reused = {}, []
-    for mode, enabled in (("on", "true"), ("off", "false")):
-        run_cfg = load_config(config_path, [*overrides, f"run.output_dir={out}",
-                                            f"run.name={name}-{mode}", f"spec.enabled={enabled}"])
-        runs[mode] = finished_run(run_cfg) if resume else None
-        if runs[mode] is None:
-            runs[mode] = train(run_cfg)
-        else:
-            reused.append(mode)
+    runs, reused = _paired_runs(config_path, overrides, cfg.run.name, out, resume)
     on, off = runs["on"]["records"], runs["off"]["records"]
-    dirs = {"on": str(out / f"{name}-on"), "off": str(out / f"{name}-off")}
     series = {"on": list(on), "off": list(off)}
+    dirs = {mode: str(out / f"{cfg.run.name}-{mode}") for mode in ("on", "off")}
     if plain:
-        dirs["plain"] = str(out / f"{name}-plain")
-        kept = (finished_run(load_config(Path(dirs["off"]) / "config.yaml",
-                                         [f"run.output_dir={out}", f"run.name={name}-plain"]),
-                             cfg.run.steps)
-                if resume and "off" in reused else None)
-        if kept is None:
-            series["plain"] = replay_plain(dirs["off"], dirs["plain"]).records
-        else:
-            series["plain"] = kept["records"]
-            reused.append("plain")
+        dirs["plain"] = str(out / f"{cfg.run.name}-plain")
+        series["plain"] = _plain_records(cfg, out, resume and "off" in reused, reused)
     mismatch, mismatch_samples = token_mismatch(runs["on"]["rollouts"], runs["off"]["rollouts"])
     steady_from = steady_state_first_step(cfg)
     result = {
-        "name": name,
+        "name": cfg.run.name,
         "config": str(config_path),
         "overrides": overrides,
         "runs": dirs,
@@ -507,13 +313,52 @@ def bench(config_path: str | Path, out_dir: str | Path, overrides: Sequence[str]
                     "wall_s": time.perf_counter() - t0, "reused": reused},
         "series": series,
     }
+    _write_bench(out, result, steady_from)
+    return result
+
+
+def _paired_runs(config_path, overrides: list[str], name: str, out: Path,
+                 resume: bool) -> tuple[dict, list[str]]:
+    """The on and off runs (BubbleSpec on first), each trained unless ``resume`` finds it
+    finished under ``out``; and the modes kept from an earlier bench."""
+    from megatron_bubblespec.config import load_config
+    from megatron_bubblespec.loop.train import train
+
+    runs, reused = {}, []
+    for mode, enabled in (("on", "true"), ("off", "false")):
+        run_cfg = load_config(config_path, [*overrides, f"run.output_dir={out}",
+                                            f"run.name={name}-{mode}", f"spec.enabled={enabled}"])
+        runs[mode] = finished_run(run_cfg) if resume else None
+        if runs[mode] is None:
+            runs[mode] = train(run_cfg)
+        else:
+            reused.append(mode)
+    return runs, reused
+
+
+def _plain_records(cfg, out: Path, keep: bool, reused: list[str]) -> list[dict]:
+    """The plain vLLM replay of the off run: kept from an earlier bench when ``keep`` and it
+    finished (then "plain" joins ``reused``), else replayed now."""
+    from megatron_bubblespec.loop.run_dir import RunDir
+    from megatron_bubblespec.measure.plain_replay import replay_plain
+
+    off, plain = out / f"{cfg.run.name}-off", out / f"{cfg.run.name}-plain"
+    if keep:
+        off_cfg = RunDir(off).read_config([f"run.output_dir={out}", f"run.name={plain.name}"])
+        if (kept := finished_run(off_cfg, cfg.run.steps)) is not None:
+            reused.append("plain")
+            return kept["records"]
+    return replay_plain(str(off), str(plain)).records
+
+
+def _write_bench(out: Path, result: dict, steady_from: int) -> None:
+    """bench.json, bench.md, bench.png (the on run, the off run as baseline), bench_decode.png."""
+    on, off = result["series"]["on"], result["series"]["off"]
     out.mkdir(parents=True, exist_ok=True)
-    text = to_json(result, indent=1)
-    (out / "bench.json").write_text(text + "\n")
+    (out / "bench.json").write_text(to_json(result, indent=1) + "\n")
     (out / "bench.md").write_text(markdown(result))
     plot_run(on, out / "bench.png", baseline=off)
     plot_decode_breakdown(on, out / "bench_decode.png", baseline=off, steady_from=steady_from)
-    return result
 
 
 def add_bench_parser(subparsers) -> argparse.ArgumentParser:

@@ -14,16 +14,15 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColum
                            TimeElapsedColumn, TimeRemainingColumn)
 from rich.text import Text
 
-from megatron_bubblespec.metrics.formatting import count, number, percent, seconds, value
+from megatron_bubblespec.metrics.formatting import seconds, value
+from megatron_bubblespec.metrics.registry import PROGRESS
 
 
 def status_line(record: Mapping[str, object], step_s: float) -> str:
-    """reward, bubble ratio, drafted / accepted tokens and wall time of one step, on one line."""
-    return (f"reward {number(value(record, 'train/reward_mean'))}"
-            f" | bubble {percent(value(record, 'bubble/ratio'))}"
-            f" | drafted {count(value(record, 'spec/drafted_tokens'))}"
-            f" / accepted {count(value(record, 'spec/accepted_tokens'))} tok"
-            f" | step {seconds(step_s)}")
+    """The registry's progress metrics (reward, bubble ratio, drafted / accepted tokens) and the
+    wall time of one step, on one line."""
+    shown = [f"{m.short} {m.fmt(value(record, m.name))}" for m in PROGRESS]
+    return " | ".join([*shown, f"step {seconds(step_s)}"])
 
 
 class _BarWithStatus(Progress):

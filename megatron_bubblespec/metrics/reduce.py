@@ -45,3 +45,16 @@ def weighted_mean_of(records: Sequence[Record], key: str, weight: str) -> float:
 def pooled_ratio(records: Sequence[Record], num: str, den: str) -> float:
     """sum(num) / sum(den) over the records reporting both."""
     return _weighted(records, num, den, scale=False)
+
+
+def bubble_utilization(records: Sequence[Record]) -> float:
+    """Drafting share of the bubbles that could draft: total drafting / total bubble/draftable_s.
+
+    Records without bubble/draftable_s (written before it existed) count their idle time instead,
+    except the last step's (nothing after it to draft).
+    """
+    if any(math.isfinite(value(r, "bubble/draftable_s")) for r in records):
+        return pooled_ratio(records, "bubble/drafting_s", "bubble/draftable_s")
+    last = max((value(r, "step") for r in records), default=math.nan)
+    return pooled_ratio([r for r in records if value(r, "step") < last],
+                        "bubble/drafting_s", "bubble/idle_s")

@@ -13,6 +13,10 @@ from typing import Mapping, Sequence
 ROLLOUTS_FILE = "rollouts.jsonl"
 
 
+def rollouts_file(run_dir: str | Path) -> Path:
+    return Path(run_dir) / ROLLOUTS_FILE
+
+
 def rollout_line(step: int, responses: Mapping[int, Sequence[int]]) -> str:
     """One line of rollouts.jsonl: the step's response tokens by global sample index."""
     return json.dumps({"step": step, "responses": {str(g): list(t) for g, t in
@@ -20,20 +24,20 @@ def rollout_line(step: int, responses: Mapping[int, Sequence[int]]) -> str:
 
 
 def append_rollouts(run_dir: str | Path, step: int, responses: Mapping[int, Sequence[int]]) -> None:
-    with open(Path(run_dir) / ROLLOUTS_FILE, "a", encoding="utf-8") as f:
+    with open(rollouts_file(run_dir), "a", encoding="utf-8") as f:
         f.write(rollout_line(step, responses))
 
 
 def write_rollouts(run_dir: str | Path, rollouts: Sequence[Mapping[int, Sequence[int]]]) -> None:
     """Rewrite the file with ``rollouts[t]`` as step t's line (a fresh or a resumed run)."""
-    with open(Path(run_dir) / ROLLOUTS_FILE, "w", encoding="utf-8") as f:
+    with open(rollouts_file(run_dir), "w", encoding="utf-8") as f:
         f.writelines(rollout_line(step, responses) for step, responses in enumerate(rollouts))
 
 
 def read_rollouts(run_dir: str | Path, before_step: int | None = None) -> list[dict[int, list[int]]]:
     """The steps' responses in file order (``[t][g]`` -> tokens), only steps < ``before_step`` if
     given; a missing file reads as no steps."""
-    path = Path(run_dir) / ROLLOUTS_FILE
+    path = rollouts_file(run_dir)
     if not path.is_file():
         return []
     rollouts = []

@@ -48,13 +48,34 @@ def _number(key: str, value) -> int | float | None:
     raise TypeError(f"metric {key!r} is {type(value).__name__} {value!r}; metrics must be numbers")
 
 
+def metrics_file(run_dir: str | Path) -> Path:
+    return Path(run_dir) / METRICS_FILE
+
+
+def record_line(record: Mapping[str, object]) -> str:
+    """One line of metrics.jsonl: the step record, every value a number or null."""
+    step = record.get("step")
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise ValueError(f"a step record needs an integer 'step', got {step!r}")
+    return to_json({key: _number(key, value) for key, value in record.items()}) + "\n"
+
+
+def write_metrics(run_dir: str | Path, records) -> Path:
+    """Rewrite ``run_dir/metrics.jsonl`` with ``records`` (a finished replay; a resumed run cut
+    back to its checkpoint)."""
+    path = metrics_file(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(record_line(r) for r in records), encoding="utf-8")
+    return path
+
+
 class MetricsWriter:
     """Appends step records to ``run_dir/metrics.jsonl`` and, optionally, to TensorBoard."""
 
     def __init__(self, run_dir: str | Path, tensorboard: bool = True):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.run_dir / METRICS_FILE
+        self.path = metrics_file(self.run_dir)
         self._file = self.path.open("a", encoding="utf-8")
         self._tb = None
         if tensorboard:
@@ -68,16 +89,12 @@ class MetricsWriter:
 
     def write(self, record: Mapping[str, object]) -> None:
         """Write one step record; it must hold an integer "step"."""
-        step = record.get("step")
-        if not isinstance(step, int) or isinstance(step, bool):
-            raise ValueError(f"a step record needs an integer 'step', got {step!r}")
-        clean = {key: _number(key, value) for key, value in record.items()}
-        self._file.write(to_json(clean) + "\n")
+        self._file.write(record_line(record))
         self._file.flush()
         if self._tb is not None:
-            for key, value in clean.items():
-                if key != "step" and value is not None:
-                    self._tb.add_scalar(key, value, global_step=step)
+            for key, value in record.items():
+                if key != "step" and (value := _number(key, value)) is not None:
+                    self._tb.add_scalar(key, value, global_step=record["step"])
             self._tb.flush()
 
     def close(self) -> None:
@@ -96,7 +113,7 @@ class MetricsWriter:
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
     """The step records of ``run_dir/metrics.jsonl`` in file order; null values come back as NaN."""
-    path = Path(run_dir) / METRICS_FILE
+    path = metrics_file(run_dir)
     if not path.exists():
         raise FileNotFoundError(f"no {METRICS_FILE} in {run_dir}; is it the run directory of a run "
                                 f"that logged metrics?")

@@ -87,6 +87,22 @@ def megatron_forward(model, tokens: torch.Tensor, on_logits: Callable[[torch.Ten
     return out if ps.is_pipeline_last_stage() else None
 
 
+def broadcast_from_last_stage(tensor: torch.Tensor | None, shape, device,
+                              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The last pipeline stage's ``tensor`` (``shape``, ``dtype``; None on the other stages) on
+    every stage of this pipeline."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return tensor
+    if tensor is None:
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+    tensor = tensor.contiguous()
+    torch.distributed.broadcast(tensor, src=ps.get_pipeline_model_parallel_last_rank(),
+                                group=ps.get_pipeline_model_parallel_group())
+    return tensor
+
+
 def _pick_output_rows(model, positions: torch.Tensor):
     """A removable pre-hook that feeds the output layer, of its [s, b, h] input, only the hidden
     states at ``positions`` [b, w] (as [w, b, h]); None where there is no output layer (not the

@@ -8,9 +8,8 @@ TransformerConfig hooks (``calculate_per_token_loss``, ``no_sync_func``,
 ``finalize_model_grads_func``, ``grad_scale_func``). Megatron calls run inside
 ``megatron_cpu_mode()``, so the same code trains over gloo on CPU.
 
-Sequences are prompt + response, right-padded to one length ``S``; per-token tensors are ``[B, S]``
-and aligned with the tokens: ``logprobs[b, j] = log p(tokens[b, j] | tokens[b, :j])`` (0 at j = 0),
-``response_mask[b, j] = 1`` where token j is a response token.
+Batches are ``train.batch.GRPOBatch`` (token-aligned [B, S] tensors); the logprob maths is
+``train.logprobs``.
 
 Loss normalisation (token mean over the whole global batch, whatever the micro-batch count and the
 data-parallel size): the model runs in megatron's per-token-loss mode
@@ -26,9 +25,8 @@ piece, same dtype), so it costs one more copy of the local parameters per rank (
 x bytes per parameter; no gradients or optimizer state) and one forward-only pass per step. The
 step's ``ref_logprobs`` come from it unless the batch carries its own.
 
-Log-probabilities are computed vocab-parallel (megatron's ``vocab_parallel_cross_entropy``; the
-full vocabulary is never gathered), with Megatron's vocabulary padding masked out, on the last
-pipeline stage, and broadcast to every stage of the replica.
+Log-probabilities are computed on the last pipeline stage and broadcast to every stage of the
+replica.
 """
 
 from __future__ import annotations
@@ -45,11 +43,12 @@ import torch.distributed as dist
 
 from megatron_bubblespec.distributed.cpu_compat import megatron_cpu_mode
 from megatron_bubblespec.models.architecture import ModelSpec
-from megatron_bubblespec.tokens import pad_token_rows
-from megatron_bubblespec.train.forward import (context_parallel_gather, context_parallel_length,
-                                               context_parallel_split, megatron_forward,
+from megatron_bubblespec.train.batch import GRPOBatch, gather_responses  # noqa: F401 (loop.step)
+from megatron_bubblespec.train.forward import (broadcast_from_last_stage, context_parallel_gather,
+                                               context_parallel_length, context_parallel_split,
                                                model_config)
 from megatron_bubblespec.train.grpo import GRPOConfig, grpo_loss
+from megatron_bubblespec.train.logprobs import forward_logprobs, label_logprobs, token_logprobs
 from megatron_bubblespec.train.model import context_parallel_size
 
 
@@ -68,174 +67,6 @@ class TrainerConfig:
     micro_batch_size: int = 1
     use_distributed_optimizer: bool = False
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
-
-
-# ------------------------------------------------------------------------------------- batches
-
-@dataclass
-class GRPOBatch:
-    """One data-parallel rank's training sequences; per-token tensors [B, S], advantages [B]."""
-
-    tokens: torch.Tensor                  # int64, prompt + response, right-padded
-    response_mask: torch.Tensor           # 1 on response tokens
-    old_logprobs: torch.Tensor            # behaviour policy (the rollout engine), token-aligned
-    advantages: torch.Tensor
-    ref_logprobs: torch.Tensor | None = None   # reference policy (KL); None: the trainer's own
-
-    def __post_init__(self):
-        shape = tuple(self.tokens.shape)
-        for name in ("response_mask", "old_logprobs", "ref_logprobs"):
-            value = getattr(self, name)
-            if value is not None and tuple(value.shape) != shape:
-                raise ValueError(f"GRPOBatch.{name} has shape {tuple(value.shape)}, tokens have "
-                                 f"{shape}: every per-token tensor must be token-aligned [B, S]")
-        if tuple(self.advantages.shape) != shape[:1]:
-            raise ValueError(f"GRPOBatch.advantages has shape {tuple(self.advantages.shape)}, "
-                             f"expected one per sequence: ({shape[0]},)")
-        if self.response_mask[:, 0].any():
-            raise ValueError("response_mask is set at position 0: every sequence needs a prompt "
-                             "token before its first response token")
-
-    @classmethod
-    def from_responses(cls, prompts: list[list[int]], responses: list[list[int]],
-                       old_logprobs: list[list[float]], advantages, *,
-                       ref_logprobs: list[list[float]] | None = None,
-                       pad_id: int = 0) -> "GRPOBatch":
-        """Token lists and per-response logprob lists (as rollout results carry them) -> a batch."""
-        tokens, mask = pack_sequences(prompts, responses, pad_id)
-        return cls(tokens, mask, scatter_responses(old_logprobs, mask),
-                   torch.as_tensor(advantages, dtype=torch.float32),
-                   None if ref_logprobs is None else scatter_responses(ref_logprobs, mask))
-
-    def __len__(self) -> int:
-        return self.tokens.shape[0]
-
-    def to(self, device) -> "GRPOBatch":
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return GRPOBatch(self.tokens.to(device), self.response_mask.to(device),
-                         self.old_logprobs.to(device), self.advantages.to(device),
-                         move(self.ref_logprobs))
-
-    def rows(self, index: slice) -> "GRPOBatch":
-        pick = lambda t: None if t is None else t[index]  # noqa: E731
-        return GRPOBatch(self.tokens[index], self.response_mask[index], self.old_logprobs[index],
-                         self.advantages[index], pick(self.ref_logprobs))
-
-    def padded_to(self, width: int) -> "GRPOBatch":
-        """Right-padded to ``width`` tokens (pad id 0; padding is outside the response mask)."""
-        pad = lambda t: None if t is None else torch.nn.functional.pad(  # noqa: E731
-            t, (0, width - t.shape[1]))
-        return GRPOBatch(pad(self.tokens), pad(self.response_mask), pad(self.old_logprobs),
-                         self.advantages, pad(self.ref_logprobs))
-
-    def dp_shard(self, rank: int, size: int) -> "GRPOBatch":
-        """Data-parallel rank ``rank``'s contiguous share of a global batch (groups stay whole
-        when the group size divides the share)."""
-        if len(self) % size:
-            raise ValueError(f"global batch of {len(self)} sequences does not split over "
-                             f"{size} data-parallel ranks")
-        share = len(self) // size
-        return self.rows(slice(rank * share, (rank + 1) * share))
-
-
-def pack_sequences(prompts: list[list[int]], responses: list[list[int]],
-                   pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Prompt and response token lists -> right-padded tokens [B, S] and the response mask."""
-    if len(prompts) != len(responses):
-        raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
-    for i, prompt in enumerate(prompts):
-        if not prompt:
-            raise ValueError(f"sequence {i} has an empty prompt")
-    tokens, lengths = pad_token_rows([list(p) + list(r) for p, r in zip(prompts, responses)],
-                                     pad_id)
-    position = torch.arange(tokens.shape[1])
-    starts = torch.tensor([len(p) for p in prompts]).view(-1, 1)
-    mask = ((position >= starts) & (position < lengths.view(-1, 1))).to(torch.float32)
-    return tokens, mask
-
-
-def scatter_responses(values: list[list[float]], mask: torch.Tensor) -> torch.Tensor:
-    """Per-response lists (e.g. the engine's logprobs) -> a token-aligned [B, S] tensor."""
-    out = torch.zeros(mask.shape, dtype=torch.float32)
-    for i, row in enumerate(values):
-        positions = mask[i].nonzero().flatten()
-        if len(row) != len(positions):
-            raise ValueError(f"row {i}: {len(row)} values for {len(positions)} response tokens")
-        out[i, positions] = torch.tensor(row, dtype=torch.float32)
-    return out
-
-
-def gather_responses(values: torch.Tensor, mask: torch.Tensor) -> list[list[float]]:
-    """Inverse of ``scatter_responses``: a [B, S] tensor -> per-response lists."""
-    return [values[i][mask[i].bool()].tolist() for i in range(values.shape[0])]
-
-
-# ---------------------------------------------------------------------- vocab-parallel maths
-
-def _vocab_shard_padding(logits: torch.Tensor, vocab_size: int) -> torch.Tensor | None:
-    """Bool [V/TP] marking this TP rank's padded vocabulary ids (None when it has none)."""
-    from megatron.core import parallel_state as ps
-
-    shard = logits.shape[-1]
-    start = ps.get_tensor_model_parallel_rank() * shard
-    if start + shard <= vocab_size:
-        return None
-    return torch.arange(start, start + shard, device=logits.device) >= vocab_size
-
-
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Vocab-parallel logits [b, S, V/TP] -> token-aligned logprobs [b, S] (and entropies).
-
-    Position j holds log p(tokens[j] | tokens[:j]) from the logits at j - 1 (0 at j = 0); the
-    entropy at j is that of the same distribution (metric only, no gradient). Ids >= vocab_size
-    (Megatron's padding) get probability 0.
-    """
-    logp, entropy = label_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size, with_entropy)
-    return (torch.nn.functional.pad(logp, (1, 0)),
-            None if entropy is None else torch.nn.functional.pad(entropy, (1, 0)))
-
-
-def label_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
-                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Vocab-parallel logits [b, s, V/TP] -> log p(labels[:, j]) from the logits at j [b, s] (and
-    the entropies at j): ``token_logprobs`` without the shift, for sequences split over CP."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    padding = _vocab_shard_padding(logits, vocab_size)
-    logits = logits.masked_fill(padding, float("-inf")) if padding is not None else logits
-    logits = logits.contiguous()
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            group = ps.get_tensor_model_parallel_group()
-            shifted = logits.float()
-            peak = shifted.max(dim=-1, keepdim=True).values
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-            shifted = shifted - peak
-            weights = torch.exp(shifted)
-            sums = torch.stack([weights.sum(-1),
-                                torch.where(weights > 0, weights * shifted, 0.0).sum(-1)])
-            dist.all_reduce(sums, group=group)
-            entropy = torch.log(sums[0]) - sums[1] / sums[0]
-    # vocab_parallel_cross_entropy overwrites its input: ``logits`` is a copy made above, or (one
-    # sequence, no padding) the model output (or a view of it) that nothing reads afterwards.
-    return -vocab_parallel_cross_entropy(logits, labels), entropy
-
-
-def _broadcast_from_last_stage(tensor: torch.Tensor | None, shape, device) -> torch.Tensor:
-    """The last pipeline stage's float32 ``tensor`` on every stage of this pipeline."""
-    from megatron.core import parallel_state as ps
-
-    if ps.get_pipeline_model_parallel_world_size() == 1:
-        return tensor
-    if tensor is None:
-        tensor = torch.empty(shape, dtype=torch.float32, device=device)
-    tensor = tensor.contiguous()
-    dist.broadcast(tensor, src=ps.get_pipeline_model_parallel_last_rank(),
-                   group=ps.get_pipeline_model_parallel_group())
-    return tensor
 
 
 def frozen_copy(model):
@@ -387,19 +218,10 @@ class MegatronTrainer:
         return self._logprobs(self.reference, tokens, response_mask, None)
 
     def _logprobs(self, model, tokens, response_mask, micro_batch_size) -> torch.Tensor:
-        vocab = self.spec.vocab_size
         mbs = micro_batch_size or self.config.micro_batch_size
         if len(tokens) % mbs:
             mbs = len(tokens)
-
-        on_device = tokens.to(self.device)
-
-        def on_logits(logits, rows):
-            return token_logprobs(logits, on_device[rows], vocab)[0]
-
-        parts = megatron_forward(model, tokens, on_logits, micro_batch_size=mbs)
-        result = _broadcast_from_last_stage(None if parts is None else torch.cat(parts).float(),
-                                            tuple(tokens.shape), self.device).cpu()
+        result = forward_logprobs(model, tokens, self.spec.vocab_size, mbs, self.device)
         return result if response_mask is None else result * response_mask.cpu()
 
     # ---------------------------------------------------------------------------- training
@@ -442,7 +264,7 @@ class MegatronTrainer:
                 self.steps += 1
         metrics = self._global_metrics(loss_step.names,
                                        sums if ps.is_pipeline_last_stage() else None)
-        logprobs = _broadcast_from_last_stage(loss_step.token_logprobs(seq), (size, seq),
+        logprobs = broadcast_from_last_stage(loss_step.token_logprobs(seq), (size, seq),
                                               self.device).cpu()
         metrics.update({
             "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
@@ -467,7 +289,7 @@ class MegatronTrainer:
             total = torch.stack(sums).sum(0)
             if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
                 dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
-        total = _broadcast_from_last_stage(total, (len(names),), self.device)
+        total = broadcast_from_last_stage(total, (len(names),), self.device)
         values = dict(zip(names, total.tolist()))
         count = values["train/num_tokens"]
         return {name: value if name == "train/num_tokens" else value / max(count, 1.0)
@@ -509,5 +331,6 @@ class MegatronTrainer:
         return Resharder(self.module, self.spec, **kwargs)
 
 
-__all__ = ["GRPOBatch", "GRPOLossStep", "MegatronTrainer", "TrainStep", "TrainerConfig", "frozen_copy", "gather_responses",
-           "pack_sequences", "scatter_responses", "token_logprobs"]
+# GRPOBatch and gather_responses live in train.batch; importable from here too.
+__all__ = ["GRPOBatch", "GRPOLossStep", "MegatronTrainer", "TrainStep", "TrainerConfig",
+           "frozen_copy", "gather_responses"]
