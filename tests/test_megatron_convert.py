@@ -1,4 +1,4 @@
-"""HF Llama / Qwen2 -> Megatron (TP, PP, TP x PP over gloo) gives transformers' logits, and
+"""HF Llama / Qwen2 (mbridge's maps) -> Megatron (TP, PP, TP x PP over gloo) gives transformers' logits, and
 HF -> Megatron -> reshard -> HF returns the original tensors exactly."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from megatron_bubblespec.distributed import destroy_distributed, init_distributed, megatron_cpu_mode
 from megatron_bubblespec.distributed.launch import launch_local
 from megatron_bubblespec.models.architecture import load_checkpoint, make_tiny_checkpoint
-from megatron_bubblespec.train.convert import fuse_qkv, split_qkv
+from megatron_bubblespec.train.convert import bridge_name, megatron_to_hf, to_megatron
 from megatron_bubblespec.train.forward import gather_vocab, megatron_forward
 from megatron_bubblespec.train.model import build_gpt_model, padded_vocab_size
 from megatron_bubblespec.train.reshard import Resharder
@@ -68,15 +68,34 @@ def test_megatron_logits_and_round_trip(checkpoint, tp, pp):
 def test_qkv_fusion_round_trip_and_layout():
     from megatron_bubblespec.models.architecture import ModelSpec
 
-    spec = ModelSpec("llama", 10, 8, 1, num_heads=4, num_kv_heads=2, head_dim=2,
+    spec = ModelSpec("qwen2", 10, 8, 1, num_heads=4, num_kv_heads=2, head_dim=2,
                      intermediate_size=4, rms_norm_eps=1e-6, rope_theta=1e4,
-                     tie_word_embeddings=False, qkv_bias=False, max_position_embeddings=8)
-    q, k, v = torch.arange(8 * 1.0).view(8, 1), 100 + torch.arange(4.0).view(4, 1), \
-        200 + torch.arange(4.0).view(4, 1)
-    fused = fuse_qkv(q, k, v, spec)
+                     tie_word_embeddings=False, qkv_bias=True, max_position_embeddings=8)
+    hf = "model.layers.0.self_attn."
+    tensors = {hf + "q_proj.bias": torch.arange(8.0), hf + "k_proj.bias": 100 + torch.arange(4.0),
+               hf + "v_proj.bias": 200 + torch.arange(4.0)}
+    name = "decoder.layers.0.self_attention.linear_qkv.bias"
+    fused = to_megatron(name, tensors, spec, padded_vocab=16)
     # group 0: q heads 0,1 (rows 0-3), k head 0, v head 0; then group 1
-    assert fused.view(-1).tolist() == [0, 1, 2, 3, 100, 101, 200, 201, 4, 5, 6, 7, 102, 103, 202, 203]
-    assert all(torch.equal(a, b) for a, b in zip(split_qkv(fused, spec), (q, k, v)))
+    assert fused.tolist() == [0, 1, 2, 3, 100, 101, 200, 201, 4, 5, 6, 7, 102, 103, 202, 203]
+    back = dict(megatron_to_hf(name, fused, spec))
+    assert set(back) == set(tensors) and all(torch.equal(back[k], t) for k, t in tensors.items())
+
+
+def test_local_spec_names_are_translated_to_the_bridge_tables():
+    from megatron_bubblespec.models.architecture import ModelSpec
+
+    dense = ModelSpec("qwen3", 10, 8, 1, 4, 2, 2, 4, 1e-6, 1e4, False, False, 8, qk_norm=True)
+    moe = ModelSpec("qwen3_moe", 10, 8, 1, 4, 2, 2, 4, 1e-6, 1e4, False, False, 8, qk_norm=True,
+                    num_experts=4, experts_per_token=2, moe_intermediate_size=4)
+    layer = "decoder.layers.3."
+    assert bridge_name(layer + "input_layernorm.weight", dense) == \
+        layer + "self_attention.linear_qkv.layer_norm_weight"
+    assert bridge_name(layer + "pre_mlp_layernorm.weight", dense) == \
+        layer + "mlp.linear_fc1.layer_norm_weight"
+    assert bridge_name(layer + "pre_mlp_layernorm.weight", moe) == layer + "pre_mlp_layernorm.weight"
+    assert bridge_name(layer + "mlp.experts.local_experts.3.linear_fc2.weight", moe) == \
+        layer + "mlp.experts.linear_fc2.weight3"
 
 
 def test_vocab_padding_multiple():

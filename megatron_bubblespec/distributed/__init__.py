@@ -1,7 +1,8 @@
-"""Processes and groups: torchrun/Slurm environment -> process groups (gloo/NCCL) -> Megatron TP x PP x DP."""
+"""Processes and groups: torchrun/Slurm environment -> process groups (gloo/NCCL) -> Megatron TP x PP x EP x DP."""
 
 from megatron_bubblespec.distributed.cpu_compat import (
     apply_cpu_patches,
+    apply_no_te_shims,
     device_config_overrides,
     megatron_cpu_mode,
 )
@@ -9,12 +10,14 @@ from megatron_bubblespec.distributed.world import (
     WorldInfo,
     destroy_distributed,
     detect_world,
+    expert_parallel_max,
     init_distributed,
     init_process_group,
     megatron_config_overrides,
 )
 
 __all__ = [
-    "WorldInfo", "apply_cpu_patches", "destroy_distributed", "detect_world", "init_distributed", "init_process_group",
-    "megatron_config_overrides", "megatron_cpu_mode", "device_config_overrides",
+    "WorldInfo", "apply_cpu_patches", "apply_no_te_shims", "destroy_distributed", "detect_world",
+    "expert_parallel_max", "init_distributed", "init_process_group", "megatron_config_overrides",
+    "megatron_cpu_mode", "device_config_overrides",
 ]

@@ -12,6 +12,9 @@ without touching megatron's files:
   and the optimizers check them). It costs a few ms per training step, so it is entered around
   Megatron calls only, never around rollout engines.
 
+Without Transformer Engine (on CPU, or a GPU without it) ``apply_no_te_shims`` binds the one TE
+name megatron's MoE router references unguarded, so the router computes with plain torch.
+
 Build models with ``use_cpu_initialization=True`` and ``batch_p2p_sync=False`` (see
 ``device_config_overrides``); sequence parallelism needs apex/TE and stays off on CPU.
 """
@@ -87,6 +90,16 @@ def apply_cpu_patches() -> bool:
     mp_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     _PATCHED = True
     return True
+
+
+def apply_no_te_shims() -> None:
+    """Without Transformer Engine, bind ``te_general_gemm`` to None in megatron's MoE utilities:
+    its import fails there, leaving the name unbound although the router's gating checks it
+    (``NameError``); None selects the plain torch path. Idempotent; nothing changes with TE."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 _CUDA_TYPE_NAMES = {

@@ -1,4 +1,4 @@
-"""Process world: torchrun / Slurm environment -> torch.distributed + Megatron TP x PP x DP groups.
+"""Process world: torchrun / Slurm environment -> torch.distributed + Megatron TP x CP x EP x DP x PP groups.
 
 One process per device. The rank layout comes from torchrun's variables (RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR, MASTER_PORT) when present, else from Slurm's (SLURM_PROCID, SLURM_NTASKS,
@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatron_bubblespec.distributed.cpu_compat import (
     apply_cpu_patches,
+    apply_no_te_shims,
     device_config_overrides,
     megatron_cpu_mode,
 )
@@ -96,11 +97,14 @@ def init_process_group(*, backend: str | None = None, timeout_s: float = 600.0,
 def init_distributed(tensor_parallel: int = 1, pipeline_parallel: int = 1, *, seed: int = 0,
                      backend: str | None = None, timeout_s: float = 600.0,
                      world: WorldInfo | None = None, context_parallel: int = 1,
-                     order: str = "tp-cp-ep-dp-pp") -> WorldInfo:
+                     order: str = "tp-cp-ep-dp-pp", expert_parallel: int = 1) -> WorldInfo:
     """Start the default process group and Megatron's TP x CP x PP x DP groups, ranks in
-    ``order`` (innermost first: Megatron's ``initialize_model_parallel``); returns the layout.
+    ``order`` (innermost first: Megatron's ``initialize_model_parallel``), and its expert groups:
+    EP ranks split the experts among data-parallel ranks, each expert split over TP ranks as the
+    dense layers are (expert-tensor parallelism = TP). Returns the layout.
 
-    Raises a ValueError naming the sizes when TP x CP x PP does not divide the world size.
+    Raises a ValueError naming the sizes when TP x CP x PP does not divide the world size or EP
+    does not divide the data-parallel size.
     """
     world = world or detect_world()
     if world.world_size % (tensor_parallel * pipeline_parallel * context_parallel):
@@ -109,15 +113,22 @@ def init_distributed(tensor_parallel: int = 1, pipeline_parallel: int = 1, *, se
             f"context_parallel x pipeline_parallel = {tensor_parallel} x {context_parallel} x "
             f"{pipeline_parallel}; choose sizes whose product divides the number of processes "
             "(the rest becomes data parallelism)")
+    data_parallel = world.world_size // (tensor_parallel * pipeline_parallel * context_parallel)
+    if data_parallel % expert_parallel:
+        raise ValueError(f"parallel.expert={expert_parallel} does not divide the data-parallel "
+                         f"size {data_parallel}: expert-parallel ranks are data-parallel ranks; "
+                         f"choose a divisor of {data_parallel}")
     init_process_group(backend=backend, timeout_s=timeout_s, world=world)
     apply_cpu_patches()
+    apply_no_te_shims()
     from megatron.core import parallel_state, tensor_parallel as mp_tensor_parallel
 
     with megatron_cpu_mode():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=tensor_parallel,
             pipeline_model_parallel_size=pipeline_parallel,
-            context_parallel_size=context_parallel, order=order)
+            context_parallel_size=context_parallel, order=order,
+            expert_model_parallel_size=expert_parallel)
         mp_tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return world
 
@@ -132,6 +143,21 @@ def megatron_config_overrides() -> dict:
         "pipeline_model_parallel_size": parallel_state.get_pipeline_model_parallel_world_size(),
         **device_config_overrides(),
     }
+
+
+def expert_parallel_max(value: int) -> int:
+    """The largest ``value`` over this rank's TP x EP group (``value`` itself without expert
+    parallelism). Megatron's allgather token dispatcher gathers every MoE layer's tokens over that
+    group with equal sizes, so its ranks must run the same number of forward passes, each over the
+    same number of tokens: pad micro-batch counts and sequence lengths to this."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_expert_model_parallel_world_size() == 1:
+        return value
+    peak = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX,
+                    group=parallel_state.get_expert_tensor_and_model_parallel_group())
+    return int(peak)
 
 
 def destroy_distributed() -> None:

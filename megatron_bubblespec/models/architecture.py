@@ -1,9 +1,10 @@
 """HF checkpoint directory -> ModelSpec (the architecture facts every engine and converter reads) + tensors.
 
-Llama/Qwen2 family: RMSNorm, SwiGLU, RoPE, grouped-query attention, tied or untied embeddings,
-optional QKV bias (Qwen2). ``check_checkpoint`` says what an incomplete directory lacks (before any
-weights are read); ``make_tiny_checkpoint`` writes a small random model of either kind in the HF
-layout, for tests of mechanics.
+Families: Llama, Qwen2, Qwen3 and Qwen3-MoE: RMSNorm, SwiGLU, RoPE, grouped-query attention, tied
+or untied embeddings, optional QKV bias (Qwen2), per-head q/k RMSNorm (Qwen3), and for Qwen3-MoE a
+softmax router choosing top-k SwiGLU experts in every layer. ``check_checkpoint`` says what an
+incomplete directory lacks (before any weights are read); ``make_tiny_checkpoint`` writes a small
+random model of any family in the HF layout, for tests of mechanics.
 """
 
 from __future__ import annotations
@@ -15,12 +16,23 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+# HF architecture -> family (the transformers ``model_type``, which also names mbridge's map).
+SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+             "Qwen3MoeForCausalLM": "qwen3_moe"}
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")
+
+
+def unsupported_architecture(archs: list) -> str:
+    """What to tell a user whose checkpoint is of another family: the supported ones, and what
+    a new family needs here."""
+    return (f"unsupported architecture {archs}: supported are {sorted(SUPPORTED)}; another "
+            "family needs its config read into a ModelSpec (models/architecture.py), its Megatron "
+            "layer options (train/model.py) and a weight map from mbridge (train/convert.py)")
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    arch: str                  # "llama" | "qwen2"
+    arch: str                  # a family of SUPPORTED's values
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -33,13 +45,22 @@ class ModelSpec:
     tie_word_embeddings: bool
     qkv_bias: bool
     max_position_embeddings: int
+    qk_norm: bool = False           # per-head RMSNorm of q and k before RoPE (Qwen3)
+    num_experts: int = 0            # 0: dense MLP; else a routed MoE MLP in every layer
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True     # renormalise the chosen experts' probabilities to sum to 1
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelSpec":
         archs = config.get("architectures") or []
         arch = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
         if arch is None:
-            raise ValueError(f"unsupported architecture {archs}: supported are {sorted(SUPPORTED)}")
+            raise ValueError(unsupported_architecture(archs))
         rope = config.get("rope_parameters") or {}
         rope_type = rope.get("rope_type", (config.get("rope_scaling") or {}).get("rope_type", "default"))
         if rope_type not in ("default", None):
@@ -54,10 +75,26 @@ class ModelSpec:
             rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or bool(config.get("attention_bias", False)),
-            max_position_embeddings=config.get("max_position_embeddings", 4096))
+            max_position_embeddings=config.get("max_position_embeddings", 4096),
+            qk_norm=arch in QK_NORM_FAMILIES, **_moe_fields(arch, config))
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _moe_fields(arch: str, config: dict) -> dict:
+    """The MoE fields of a Qwen3-MoE config; ValueError for the layouts Megatron's layer spec here
+    does not build (dense layers between MoE ones)."""
+    if arch != "qwen3_moe":
+        return {}
+    if config.get("decoder_sparse_step", 1) != 1 or config.get("mlp_only_layers"):
+        raise ValueError("Qwen3-MoE with dense layers (decoder_sparse_step != 1 or mlp_only_layers) "
+                         "is not supported: every layer must be an MoE layer")
+    # transformers 5 writes num_local_experts; the Hub's Qwen3-MoE configs say num_experts.
+    experts = config["num_experts"] if "num_experts" in config else config["num_local_experts"]
+    return dict(num_experts=experts, experts_per_token=config["num_experts_per_tok"],
+                moe_intermediate_size=config["moe_intermediate_size"],
+                norm_topk_prob=bool(config.get("norm_topk_prob", False)))
 
 
 COMPLETE_DIRECTORY = """\
@@ -185,26 +222,38 @@ def tiny_spec(vocab_size: int, hidden_size: int, num_layers: int,
                      max_position_embeddings)
 
 
+TINY_EXPERTS, TINY_EXPERTS_PER_TOKEN, TINY_MOE_INTERMEDIATE = 8, 2, 64
+
+
 def make_tiny_checkpoint(path: str | Path, arch: str = "llama", *, seed: int = 0,
                          vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 2,
                          num_heads: int = TINY_HEADS, num_kv_heads: int = TINY_KV_HEADS,
                          head_dim: int = TINY_HEAD_DIM, intermediate_size: int = TINY_INTERMEDIATE,
                          tie_word_embeddings: bool = False, init_std: float = 0.1,
-                         max_position_embeddings: int = 1024) -> Path:
-    """Write a random Llama- or Qwen2-style model in HF layout (float32) and return its path.
+                         max_position_embeddings: int = 1024, num_experts: int = TINY_EXPERTS,
+                         experts_per_token: int = TINY_EXPERTS_PER_TOKEN,
+                         moe_intermediate_size: int = TINY_MOE_INTERMEDIATE) -> Path:
+    """Write a random model of family ``arch`` (a value of SUPPORTED) in HF layout (float32), as
+    transformers saves it, and return its path. The MoE sizes apply to ``qwen3_moe`` only (with
+    normalised top-k probabilities, as Qwen3-30B-A3B).
 
     ``init_std`` larger than HF's 0.02 keeps the next-token distributions far from uniform, so
     sampling tests see peaked and flat positions alike. head_dim >= 32 (vLLM's CPU attention).
     """
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[arch]
-    config = config_cls(
-        vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+    if arch not in SUPPORTED.values():
+        raise ValueError(f"no tiny checkpoint for family {arch!r}: choose one of "
+                         f"{sorted(SUPPORTED.values())}")
+    moe = dict(num_experts=num_experts, num_experts_per_tok=experts_per_token,
+               moe_intermediate_size=moe_intermediate_size, norm_topk_prob=True,
+               router_aux_loss_coef=0.0) if arch == "qwen3_moe" else {}
+    config = AutoConfig.for_model(
+        arch, vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
         intermediate_size=intermediate_size, tie_word_embeddings=tie_word_embeddings,
         initializer_range=init_std, max_position_embeddings=max_position_embeddings,
-        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="float32")
+        rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="float32", **moe)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF initialises norms to 1 and biases to 0: vary them too

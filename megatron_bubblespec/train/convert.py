@@ -1,113 +1,110 @@
-"""HF Llama/Qwen2 tensors <-> full (unsharded) Megatron GPTModel tensors, as pure functions.
+"""Megatron tensor (global layer and expert numbers, full size) <-> HF tensors, through mbridge's map of the family.
 
-HF name + tensor -> Megatron name + tensor, and back. The only non-trivial layouts:
+mbridge (the bridge verl uses) holds, for every family in ``models.architecture.SUPPORTED``, the
+HF names of each Megatron tensor and their layouts: q, k, v fused per query group into
+``linear_qkv`` (biases alike), [gate; up] stacked into ``linear_fc1`` (also per expert), the router
+as HF's ``mlp.gate``, per-head q/k norms, and the embedding and output rows padded to the padded
+vocabulary. Its tables are keyed on Transformer Engine's parameter names; ``bridge_name``
+translates the two things the local (non-TE) layer spec names differently: the pre-attention and
+pre-MLP norms (separate modules there, fused into the next linear under TE) and the experts
+(``experts.local_experts.E.linear_fcN.weight`` there, ``experts.linear_fcN.weightE`` under TE).
 
-* ``linear_qkv``: Megatron fuses q, k, v per query group: for each of the ``kv_heads`` groups,
-  the group's ``heads / kv_heads`` query heads, then its key head, then its value head (rows of
-  ``head_dim`` each). Biases (Qwen2) follow the same order.
-* ``linear_fc1``: [gate; up] stacked (SwiGLU's ``silu(first half) * second half``).
-* Embedding and output layer rows are padded with zeros to the padded vocabulary, and the padding
-  is dropped on the way back. Tied models have no ``lm_head.weight`` on the HF side.
-
-Sharding across TP ranks and PP stages is separate (``train.sharding``, ``train.reshard``).
+Tied embeddings are handled here, not by the bridge: a tied model's HF side has no ``lm_head``,
+and its output layer loads from the embedding. Sharding across TP ranks, PP stages and EP ranks is
+separate (``train.sharding``, ``train.reshard``).
 """
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Iterable, Mapping
 
 import torch
 
 from megatron_bubblespec.models.architecture import ModelSpec
 
-_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_MG_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-
-# Per-layer tensors that map one to one: HF suffix -> Megatron suffix.
-_LAYER_RENAMES = {
-    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
-    "post_attention_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
-    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
-}
-# The local (non-TE) layer spec keeps the norms as separate modules.
-_LOCAL_SPEC_NORMS = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-}
+EMBEDDING, OUTPUT_LAYER = "embedding.word_embeddings.weight", "output_layer.weight"
+VOCAB_TENSORS = (EMBEDDING, OUTPUT_LAYER)
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_LOCAL_NORM = re.compile(r"^(decoder\.layers\.\d+\.)(input_layernorm|pre_mlp_layernorm)\.weight$")
+_TE_NORMS = {"input_layernorm": "self_attention.linear_qkv.layer_norm_weight",
+             "pre_mlp_layernorm": "mlp.linear_fc1.layer_norm_weight"}
 
 
-def _norm_name(megatron_suffix: str, fused_norms: bool) -> str:
-    return megatron_suffix if fused_norms else _LOCAL_SPEC_NORMS.get(megatron_suffix, megatron_suffix)
+def bridge_name(name: str, spec: ModelSpec) -> str:
+    """A Megatron tensor's name as mbridge's tables spell it (Transformer Engine's names)."""
+    expert = _LOCAL_EXPERT.match(name)
+    if expert:
+        return f"{expert[1]}{expert[3]}.weight{expert[2]}"
+    norm = _LOCAL_NORM.match(name)
+    # An MoE layer has no linear_fc1 to fuse its pre-MLP norm into: mbridge keeps that name.
+    if norm and not (spec.is_moe and norm[2] == "pre_mlp_layernorm"):
+        return norm[1] + _TE_NORMS[norm[2]]
+    return name
 
 
-def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
-    """HF q [H*d, ...], k/v [G*d, ...] -> Megatron's per-group [q_g; k_g; v_g] rows."""
-    groups, per_group, d = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim
-    tail = q.shape[1:]
-    q = q.reshape(groups, per_group * d, *tail)
-    k = k.reshape(groups, d, *tail)
-    v = v.reshape(groups, d, *tail)
-    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+@functools.lru_cache(maxsize=16)
+def _bridge(spec: ModelSpec, padded_vocab: int):
+    """mbridge's Bridge of the family, padding the vocabulary to ``padded_vocab`` rows."""
+    from mbridge import AutoBridge
+    from mbridge.core.parallel_states import ParallelStates
+    from transformers import AutoConfig
+
+    moe = dict(num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
+               moe_intermediate_size=spec.moe_intermediate_size,
+               norm_topk_prob=spec.norm_topk_prob) if spec.is_moe else {}
+    # tie_word_embeddings stays False for the bridge: ties are resolved here (see the docstring),
+    # and a tied Qwen2 bridge rewrites its class's name table for every later model.
+    hf_config = AutoConfig.for_model(
+        spec.arch, vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+        intermediate_size=spec.intermediate_size, rms_norm_eps=spec.rms_norm_eps,
+        attention_bias=spec.qkv_bias, tie_word_embeddings=False,
+        max_position_embeddings=spec.max_position_embeddings, **moe)
+    # float32: the bridge casts HF tensors to its dtype, which is exact from bf16/fp16 and leaves
+    # the one rounding to the parameter's own dtype (as copying into it always did).
+    bridge = AutoBridge.from_config(hf_config, dtype=torch.float32,
+                                    parallel_states=ParallelStates(),
+                                    make_vocab_size_divisible_by=padded_vocab)
+    bridge.vocab_size, bridge.padded_vocab_size = spec.vocab_size, padded_vocab
+    return bridge
 
 
-def split_qkv(qkv: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of ``fuse_qkv``."""
-    groups, per_group, d = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim
-    tail = qkv.shape[1:]
-    grouped = qkv.reshape(groups, (per_group + 2) * d, *tail)
-    q, k, v = torch.split(grouped, [per_group * d, d, d], dim=1)
-    return (q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail))
+def hf_names(name: str, spec: ModelSpec) -> list[str]:
+    """The HF tensors one Megatron tensor is made of (KeyError when the family has none)."""
+    try:
+        return _bridge(spec, spec.vocab_size)._weight_name_mapping_mcore_to_hf(bridge_name(name, spec))
+    except NotImplementedError as error:
+        raise KeyError(f"no HF mapping for Megatron tensor {name!r} ({spec.arch})") from error
 
 
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    if t.shape[0] == rows:
-        return t
-    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+def to_megatron(name: str, tensors: Mapping[str, torch.Tensor], spec: ModelSpec,
+                padded_vocab: int) -> torch.Tensor:
+    """The full Megatron tensor ``name`` from the HF ``tensors`` (KeyError naming a missing one)."""
+    sources = hf_names(name, spec)
+    missing = [s for s in sources if s not in tensors]
+    if missing:
+        raise KeyError(f"the checkpoint has no tensor {missing[0]!r} (needed for {name!r})")
+    return _bridge(spec, padded_vocab)._weight_to_mcore_format(
+        bridge_name(name, spec), [tensors[s] for s in sources])
 
 
-def hf_to_megatron(tensors: dict[str, torch.Tensor], spec: ModelSpec, padded_vocab: int,
-                   fused_norms: bool = False) -> dict[str, torch.Tensor]:
-    """All HF tensors of a model -> the full Megatron state dict (every layer, unsharded)."""
-    out = {"embedding.word_embeddings.weight":
-           _pad_rows(tensors["model.embed_tokens.weight"], padded_vocab),
-           "decoder.final_layernorm.weight": tensors["model.norm.weight"]}
-    if not spec.tie_word_embeddings:
-        out["output_layer.weight"] = _pad_rows(tensors["lm_head.weight"], padded_vocab)
-    for i in range(spec.num_layers):
-        hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for hf_suffix, mg_suffix in _LAYER_RENAMES.items():
-            out[mg + _norm_name(mg_suffix, fused_norms)] = tensors[hf + hf_suffix]
-        out[mg + "self_attention.linear_qkv.weight"] = fuse_qkv(
-            *(tensors[hf + f"self_attn.{m}_proj.weight"] for m in "qkv"), spec)
-        if spec.qkv_bias:
-            out[mg + "self_attention.linear_qkv.bias"] = fuse_qkv(
-                *(tensors[hf + f"self_attn.{m}_proj.bias"] for m in "qkv"), spec)
-        out[mg + "mlp.linear_fc1.weight"] = torch.cat(
-            [tensors[hf + "mlp.gate_proj.weight"], tensors[hf + "mlp.up_proj.weight"]])
-    return out
+def hf_to_megatron(tensors: Mapping[str, torch.Tensor], spec: ModelSpec, padded_vocab: int,
+                   names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The full Megatron tensors ``names`` from HF tensors (a tied output layer from the
+    embedding: the last pipeline stage holds a copy of it)."""
+    tied = {OUTPUT_LAYER: EMBEDDING} if spec.tie_word_embeddings else {}
+    return {name: to_megatron(tied.get(name, name), tensors, spec, padded_vocab) for name in names}
 
 
 def megatron_to_hf(name: str, tensor: torch.Tensor, spec: ModelSpec) -> list[tuple[str, torch.Tensor]]:
-    """One full Megatron tensor (global layer numbering) -> its HF tensors (padding removed)."""
-    if name == "embedding.word_embeddings.weight":
-        return [("model.embed_tokens.weight", tensor[:spec.vocab_size])]
-    if name == "output_layer.weight":
-        return [] if spec.tie_word_embeddings else [("lm_head.weight", tensor[:spec.vocab_size])]
-    if name == "decoder.final_layernorm.weight":
-        return [("model.norm.weight", tensor)]
-    match = _MG_LAYER.match(name)
-    if not match:
-        raise KeyError(f"no HF mapping for Megatron tensor {name!r}")
-    hf, suffix = f"model.layers.{match[1]}.", match[2]
-    if suffix in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
-        kind = suffix.rsplit(".", 1)[1]
-        q, k, v = split_qkv(tensor, spec)
-        return [(hf + f"self_attn.{m}_proj.{kind}", t) for m, t in zip("qkv", (q, k, v))]
-    if suffix == "mlp.linear_fc1.weight":
-        gate, up = torch.chunk(tensor, 2, dim=0)
-        return [(hf + "mlp.gate_proj.weight", gate), (hf + "mlp.up_proj.weight", up)]
-    for hf_suffix, mg_suffix in _LAYER_RENAMES.items():
-        if suffix in (mg_suffix, _LOCAL_SPEC_NORMS.get(mg_suffix)):
-            return [(hf + hf_suffix, tensor)]
-    raise KeyError(f"no HF mapping for Megatron tensor {name!r}")
+    """One full Megatron tensor -> its HF tensors (vocabulary padding removed; none for a tied
+    output layer)."""
+    if name == OUTPUT_LAYER and spec.tie_word_embeddings:
+        return []
+    hf_names(name, spec)  # a KeyError naming the tensor when the family has no map for it
+    padded = tensor.shape[0] if name in VOCAB_TENSORS else spec.vocab_size
+    names, hf_tensors = _bridge(spec, padded)._weight_to_hf_format(bridge_name(name, spec), tensor)
+    return list(zip(names, hf_tensors))

@@ -1,8 +1,13 @@
 """ModelSpec (from an HF config) -> megatron-core GPTModel for this rank's TP/PP piece.
 
-Llama/Qwen2 family: RMSNorm, SwiGLU (fused gate/up ``linear_fc1``), RoPE (non-interleaved, as HF
-stores the weights), grouped-query attention, optional QKV bias, tied or untied embeddings. The
-local (non-TE) layer spec on CPU; Transformer Engine's spec when TE is importable and a GPU exists.
+Llama/Qwen2/Qwen3 families: RMSNorm, SwiGLU (fused gate/up ``linear_fc1``), RoPE (non-interleaved,
+as HF stores the weights), grouped-query attention, optional QKV bias, per-head q/k RMSNorm
+(``qk_layernorm``), tied or untied embeddings. Qwen3-MoE adds Megatron's MoE layer: a softmax
+router in fp32 choosing top-k experts (normalised over the chosen ones unless the checkpoint says
+otherwise), one SwiGLU MLP per expert (no grouped GEMM), the allgather token dispatcher (the
+all-to-all one needs CUDA streams), experts split over the EP ranks, and the router's
+load-balancing loss as a setting (``moe_options``). The local (non-TE) layer spec on CPU;
+Transformer Engine's spec when TE is importable and a GPU exists.
 The vocabulary is padded to a multiple of ``vocab_multiple x TP`` as Megatron-LM does; padded
 logits are excluded by every sampler (``vocab_size`` argument of the keyed sampler).
 
@@ -16,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from megatron_bubblespec.models.architecture import ModelSpec
+from megatron_bubblespec.models.layout import check_expert_layout
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel: int, vocab_multiple: int = 128) -> int:
@@ -49,6 +55,35 @@ def check_context_parallel(cp: int, te_available: bool) -> None:
                          "parallel.context=1")
 
 
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "none")
+
+
+def moe_options(load_balancing: str = "none", aux_loss_coeff: float = 0.0) -> dict:
+    """``build_gpt_model`` options for the router's load-balancing loss (ignored by dense models):
+    Megatron's type (``aux_loss``, ``seq_aux_loss`` or ``none``) and coefficient."""
+    if load_balancing not in LOAD_BALANCING_TYPES:
+        raise ValueError(f"router load balancing {load_balancing!r} is not one of "
+                         f"{LOAD_BALANCING_TYPES}")
+    return {"moe_router_load_balancing_type": load_balancing, "moe_aux_loss_coeff": aux_loss_coeff}
+
+
+def _family_fields(spec: ModelSpec) -> dict:
+    """TransformerConfig fields of the family beyond the Llama ones: q/k norms and the MoE layer."""
+    from megatron.core import parallel_state as ps
+
+    fields = {"qk_layernorm": spec.qk_norm}
+    if spec.is_moe:
+        fields.update(
+            num_moe_experts=spec.num_experts, moe_router_topk=spec.experts_per_token,
+            moe_ffn_hidden_size=spec.moe_intermediate_size, moe_grouped_gemm=False,
+            moe_router_score_function="softmax", moe_router_pre_softmax=not spec.norm_topk_prob,
+            moe_router_dtype="fp32", moe_token_dispatcher_type="allgather",
+            expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+            expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+            **moe_options())
+    return fields
+
+
 def transformer_config(spec: ModelSpec, *, params_dtype: torch.dtype = torch.float32,
                        **overrides):
     """The TransformerConfig of ``spec`` for this process (TP/PP sizes from parallel_state)."""
@@ -65,7 +100,10 @@ def transformer_config(spec: ModelSpec, *, params_dtype: torch.dtype = torch.flo
         add_qkv_bias=spec.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=params_dtype, pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
-        **megatron_config_overrides())
+        **_family_fields(spec), **megatron_config_overrides())
+    if not spec.is_moe:  # the load-balancing settings only exist for a router
+        for name in moe_options():
+            overrides.pop(name, None)
     fields.setdefault("context_parallel_size", context_parallel_size())
     if fields["context_parallel_size"] > 1:
         fields.setdefault("cp_comm_type", "p2p")
@@ -82,11 +120,18 @@ def build_gpt_model(spec: ModelSpec, *, params_dtype: torch.dtype = torch.float3
 
     check_context_parallel(config_overrides.get("context_parallel_size", context_parallel_size()),
                            _transformer_engine_available())
+    problems = check_expert_layout(spec, ps.get_tensor_model_parallel_world_size(),
+                                   ps.get_expert_model_parallel_world_size(),
+                                   ps.get_data_parallel_world_size())
+    if problems:
+        raise ValueError("; ".join(problems))
     config = transformer_config(spec, params_dtype=params_dtype, **config_overrides)
+    layers = dict(num_experts=spec.num_experts or None, moe_grouped_gemm=False,
+                  qk_layernorm=spec.qk_norm)
     if _transformer_engine_available():
-        layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+        layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**layers)
     else:
-        layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm")
+        layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **layers)
     return GPTModel(
         config=config, transformer_layer_spec=layer_spec,
         vocab_size=padded_vocab_size(spec.vocab_size, ps.get_tensor_model_parallel_world_size(),

