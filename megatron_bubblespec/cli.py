@@ -28,6 +28,7 @@ def cmd_info(_args) -> int:
 
 def cmd_train(args) -> int:
     """Train with GRPO (BubbleSpec on unless spec.enabled=false); launches the ranks itself.
+    Without --config it runs the main job (SmolLM2-135M-Instruct on GSM8K, 2 ranks).
     Exit codes: 0 done, 1 a rank failed, 2 bad config or inputs, 75 preempted (checkpoint
     written; resume with run.resume=auto), 128 + N stopped by signal N (SIGTERM: 143) before a
     checkpoint could be written. Libraries' known-harmless warnings, their logs and their native
@@ -71,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help=cmd_info.__doc__).set_defaults(func=cmd_info)
     train = sub.add_parser("train", help=cmd_train.__doc__)
-    train.add_argument("--config", required=True, help="YAML config (see configs/)")
+    train.add_argument("--config", help="YAML config (see configs/); without it, the main job "
+                                        "(the schema's defaults, configs/default.yaml)")
     train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. spec.enabled=false")
     train.add_argument("--verbose", action="store_true",
                        help="show every library's warnings and logs on the terminal (else the "

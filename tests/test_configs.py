@@ -97,3 +97,19 @@ def test_large_config_layout_and_budget(path, monkeypatch):
     assert first <= gpu_bytes, f"first stage: {first / 1e9:.1f} GB > {gpu_bytes / 1e9:.0f} GB"
     last = _training_bytes(cfg, model, last_stage=True)
     assert last <= gpu_bytes, f"last stage: {last / 1e9:.1f} GB > {gpu_bytes / 1e9:.0f} GB"
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if p.name != "default.yaml"],
+                         ids=[p.name for p in CONFIGS if p.name != "default.yaml"])
+def test_config_states_only_what_differs_from_the_main_job(path):
+    """The schema's defaults are the main job; another config restating one of them would hide
+    which of its settings are its own."""
+    import yaml
+
+    from megatron_bubblespec.config.rules import _get
+    from megatron_bubblespec.config.schema import Config
+
+    defaults = Config()
+    restated = [f"{room}.{key}" for room, keys in yaml.safe_load(path.read_text()).items()
+                for key, value in keys.items() if value == _get(defaults, f"{room}.{key}")]
+    assert not restated, f"{path.name} restates the schema's defaults: {restated}"

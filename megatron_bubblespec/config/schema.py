@@ -1,8 +1,13 @@
 """The run's typed configuration: one dataclass per room, with the allowed values of every choice.
 
-YAML files and dotted command-line overrides are merged onto these dataclasses by
-``config.load``; an unknown key, a wrong type or a value outside ``CHOICES`` is an error that names
-the key before any process starts.
+The defaults are the main job's settings (SmolLM2-135M-Instruct trained with GRPO on GSM8K, 2
+data-parallel ranks, vLLM rollouts, BubbleSpec on): ``bubblespec train`` with no config file runs
+it, and docs/results/settings.md says why each setting is what it is. YAML files and dotted
+command-line overrides are merged onto these dataclasses by ``config.load``; an unknown key, a
+wrong type or a value outside ``CHOICES`` is an error that names the key before any process starts.
+
+Field metadata ``OBSERVER`` and ``OFF_RUN`` mark the keys a run's tokens, counts and rollout work
+do not depend on (``config.identity.run_identity`` leaves them out).
 """
 
 from __future__ import annotations
@@ -10,25 +15,38 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+# No run's tokens, counts or rollout work depend on this key: where and how often the run
+# checkpoints, its watchdogs, what it logs.
+OBSERVER = {"identity": "observer"}
+# A run with BubbleSpec off does not depend on this key either (nothing drafts, so nothing reuses
+# what it sizes).
+OFF_RUN = {"identity": "off_run"}
+
 
 @dataclass
 class RunConfig:
-    name: str = "bubblespec"
+    name: str = "smollm2-gsm8k"
     seed: int = 1234
-    steps: int = 4
+    steps: int = 6
     output_dir: str = "runs"
-    resume: str = "none"            # none | auto | PATH of a checkpoint
-    checkpoint_every: int = 0       # steps; 0 = only at the end
-    checkpoint_dir: str = ""        # default: <output_dir>/<name>/checkpoints
-    keep_checkpoints: int = 2       # complete checkpoints kept (older ones are deleted)
-    stall_timeout_s: float = 1800.0 # no-progress watchdog: abort when no stage ends for this long (0 = off)
-    signal_grace_s: float = 30.0    # after SIGTERM/SIGINT, a rank stuck this long exits, naming its stage
-    checkpoint_grace_s: float = 300.0  # after SIGTERM/SIGINT, the most a rank making progress may take to finish its step and checkpoint
+    resume: str = field(default="none", metadata=OBSERVER)   # none | auto | PATH of a checkpoint
+    checkpoint_every: int = field(default=0, metadata=OBSERVER)   # steps; 0 = only at the end
+    # default: <output_dir>/<name>/checkpoints
+    checkpoint_dir: str = field(default="", metadata=OBSERVER)
+    # complete checkpoints kept (older ones are deleted)
+    keep_checkpoints: int = field(default=2, metadata=OBSERVER)
+    # no-progress watchdog: abort when no stage ends for this long (0 = off)
+    stall_timeout_s: float = field(default=1800.0, metadata=OBSERVER)
+    # after SIGTERM/SIGINT, a rank stuck this long exits, naming its stage
+    signal_grace_s: float = field(default=30.0, metadata=OBSERVER)
+    # after SIGTERM/SIGINT, the most a rank making progress may take to finish its step and
+    # checkpoint
+    checkpoint_grace_s: float = field(default=300.0, metadata=OBSERVER)
 
 
 @dataclass
 class ModelConfig:
-    path: str = "tiny"              # tiny | smollm2 | an HF checkpoint directory
+    path: str = "smollm2"           # tiny | smollm2 | an HF checkpoint directory
     dtype: str = "float32"
     max_model_len: int = 1024
     # Shape of the random model when path == tiny (for tests of mechanics).
@@ -59,13 +77,13 @@ class RolloutConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    max_new_tokens: int = 64
-    samples_per_prompt: int = 4
-    prompts_per_step: int = 4       # global, over all DP ranks
-    kv_cache_mb: int = 256          # CPU: KV cache size; GPU: see gpu_memory_utilization
+    max_new_tokens: int = 384
+    samples_per_prompt: int = 2
+    prompts_per_step: int = 2       # global, over all DP ranks
+    kv_cache_mb: int = 512          # CPU: KV cache size; GPU: see gpu_memory_utilization
     # tokens per KV block (vLLM's prefix-cache unit; None: vLLM's choice, 128 on CPU, 16 on GPU);
     # a request prefills what follows its last cached full block (spec.reuse_draft_kv)
-    kv_block_size: Optional[int] = None
+    kv_block_size: Optional[int] = field(default=32, metadata=OFF_RUN)
     tensor_parallel: int = 1        # ranks per engine, a divisor of TP x CP; every rank is in one engine
     gpu_memory_utilization: float = 0.5  # fraction of a GPU vLLM may take (GPU)
     max_num_batched_tokens: int = 8192   # vLLM chunked-prefill budget per engine step (GPU)
@@ -79,23 +97,25 @@ class RolloutConfig:
 @dataclass
 class SpecConfig:
     enabled: bool = True
-    verifier: str = "megatron"      # megatron | engine (vLLM: inside the rollout, any layout; reference: TP = PP = 1)
-    max_draft_tokens: int = 64      # per sample
-    draft_chunk: int = 2            # samples claimed from the shared cursor at a time
+    # engine (vLLM: inside the rollout, any layout; reference: TP = PP = 1) | megatron (a forward
+    # of prompt + draft in the training layout, the reference verifier)
+    verifier: str = "engine"
+    max_draft_tokens: int = 384     # per sample
+    draft_chunk: int = 1            # samples claimed from the shared cursor at a time
     draft_in_flight: int = 32       # next-step samples a drafting rank keeps in its engine at once
     # new drafting requests an engine step of the bubble may take, in estimated prefill tokens (0:
     # no bound, the batch is claimed at once); bounds the engine step in flight when the barrier
     # closes, which the step waits for (spec.bubble)
-    draft_prefill_tokens: int = 0
+    draft_prefill_tokens: int = 256
     speculative_continuation: bool = True
     spec_k: int = 4
     # the cost of one proposed token, as a fraction of a decode step: each sample then proposes
     # the 0 .. spec_k tokens that pay at its recent acceptance (spec.pool); none: always spec_k
-    proposal_token_cost: Optional[float] = None
-    min_match: int = 2
+    proposal_token_cost: Optional[float] = 0.4
+    min_match: int = 3
     max_match: int = 8
     barrier_timeout_s: float = 600.0
-    draft_horizon: int = 1          # bubbles draft steps t+k .. t+k+H-1 (later ones fill the batch)
+    draft_horizon: int = 3          # bubbles draft steps t+k .. t+k+H-1 (later ones fill the batch)
     # vLLM keeps its prefix cache across weight updates, salted per weight version for rollouts and
     # shared by drafting requests: a bubble extends a partial draft on the KV an earlier bubble left
     # (computed by older weights: only a proposal) instead of prefilling prompt + draft again
@@ -104,8 +124,8 @@ class SpecConfig:
 
 @dataclass
 class AblationConfig:
-    """Switches that exist to reproduce the paper's ablations (``scripts/ablations/``); the
-    shipped jobs leave them at these values."""
+    """Switches that exist to reproduce the paper's ablations (``scripts/ablations/``); the main
+    job runs at these values."""
 
     rule: str = "keyed"             # keyed (exact) | residual, lenient: other verification rules
     lenience: float = 2.0           # the lenient rule accepts when u <= lenience * p/q (SPEC-RL)
@@ -116,7 +136,8 @@ class AblationConfig:
     draft_order: str = "engines"
     # what a decoding sample proposes from (spec.pool, where each source is described); each is
     # counted in spec/continuation_*/<source>
-    proposal_sources: list[str] = field(default_factory=lambda: ["bubble", "realign"])
+    proposal_sources: list[str] = field(
+        default_factory=lambda: ["bubble", "realign", "prompt", "self", "siblings"])
     # each vLLM engine measures spec.proposal_token_cost at start-up instead, at its share of a
     # step's samples, and logs spec/proposal_token_cost
     measure_proposal_cost: bool = False
@@ -124,10 +145,10 @@ class AblationConfig:
 
 @dataclass
 class TrainConfig:
-    lr: float = 1.0e-5
+    lr: float = 2.0e-6
     weight_decay: float = 0.0
     clip_grad: float = 1.0
-    micro_batch_size: int = 4
+    micro_batch_size: int = 2
     clip_eps: float = 0.2
     kl_coef: float = 0.0            # k3 KL penalty to the frozen initial policy (0 = none, no copy kept)
     normalize_advantage_std: bool = True
@@ -142,20 +163,20 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    task: str = "synthetic"         # synthetic | arithmetic | gsm8k | jsonl
+    task: str = "gsm8k"             # synthetic | arithmetic | gsm8k | jsonl
     path: str = ""                  # jsonl: a file of {"question": ..., "answer": ...} rows
     split: str = "train"
     size: int = 512                 # prompts of the synthetic tasks
     max_prompts: int = 0            # use only the task's first N prompts (0: all); few enough and
     #                                 a run sees each prompt again (the history proposal source)
-    max_prompt_tokens: int = 256
+    max_prompt_tokens: int = 320
 
 
 @dataclass
 class LoggingConfig:
-    tensorboard: bool = True
-    progress: bool = True
-    plot: bool = True
+    tensorboard: bool = field(default=True, metadata=OBSERVER)
+    progress: bool = field(default=True, metadata=OBSERVER)
+    plot: bool = field(default=True, metadata=OBSERVER)
 
 
 @dataclass
