@@ -22,7 +22,8 @@ def moe_checkpoint(tmp_path_factory):
 
 def test_qwen3_families_are_read_from_transformers_configs(tmp_path, moe_checkpoint):
     dense = check_checkpoint(make_tiny_checkpoint(tmp_path / "dense", "qwen3", vocab_size=128))
-    assert (dense.arch, dense.qk_norm, dense.qkv_bias, dense.is_moe) == ("qwen3", True, False, False)
+    assert (dense.arch, dense.qk_norm, dense.qkv_bias, dense.is_moe) == \
+        ("qwen3", True, False, False)
     moe = check_checkpoint(moe_checkpoint)
     assert (moe.arch, moe.qk_norm, moe.num_experts, moe.experts_per_token,
             moe.moe_intermediate_size, moe.norm_topk_prob) == ("qwen3_moe", True, 8, 2, 64, True)

@@ -75,7 +75,8 @@ def _bridge(spec: ModelSpec, padded_vocab: int):
 def hf_names(name: str, spec: ModelSpec) -> list[str]:
     """The HF tensors one Megatron tensor is made of (KeyError when the family has none)."""
     try:
-        return _bridge(spec, spec.vocab_size)._weight_name_mapping_mcore_to_hf(bridge_name(name, spec))
+        bridge = _bridge(spec, spec.vocab_size)
+        return bridge._weight_name_mapping_mcore_to_hf(bridge_name(name, spec))
     except NotImplementedError as error:
         raise KeyError(f"no HF mapping for Megatron tensor {name!r} ({spec.arch})") from error
 
@@ -99,7 +100,8 @@ def hf_to_megatron(tensors: Mapping[str, torch.Tensor], spec: ModelSpec, padded_
     return {name: to_megatron(tied.get(name, name), tensors, spec, padded_vocab) for name in names}
 
 
-def megatron_to_hf(name: str, tensor: torch.Tensor, spec: ModelSpec) -> list[tuple[str, torch.Tensor]]:
+def megatron_to_hf(name: str, tensor: torch.Tensor,
+                   spec: ModelSpec) -> list[tuple[str, torch.Tensor]]:
     """One full Megatron tensor -> its HF tensors (vocabulary padding removed; none for a tied
     output layer)."""
     if name == OUTPUT_LAYER and spec.tie_word_embeddings:
