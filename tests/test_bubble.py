@@ -15,6 +15,7 @@ from megatron_bubblespec.sampling.requests import RolloutRequest
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams, sample_key
 from megatron_bubblespec.spec.bubble import BubbleDrafter
+from megatron_bubblespec.spec.claims import ClaimPolicy
 
 pytestmark = pytest.mark.slow   # multi-process or real-model runs: minutes on 2 cores
 
@@ -35,7 +36,7 @@ def _barrier_worker(path, delays, timeout_s, order=None, in_flight=4, prefix=())
     world = init_process_group(backend="gloo", timeout_s=60)
     engine = ReferenceEngine(path)
     drafter = BubbleDrafter(default_store(), world.world_size, engine, SamplingParams(1.0),
-                            chunk=2, in_flight=in_flight, timeout_s=timeout_s)
+                            ClaimPolicy(chunk=2, in_flight=in_flight), timeout_s=timeout_s)
     dist.barrier()   # one start line: the delays below, not the engines' load times, order arrivals
     if delays[world.rank] is None:  # a rank that hangs: never reaches the barrier
         time.sleep(3.0)
@@ -153,8 +154,8 @@ class _OtherEngineArrivesAfter:
 def _paced_bubble(path, budget, step, prefix_len, arrive_after, computed=None):
     store = dist.HashStore()
     store.set_timeout(datetime.timedelta(seconds=10))
-    drafter = BubbleDrafter(store, 2, None, SamplingParams(1.0), chunk=1, in_flight=12,
-                            prefill_budget=budget)
+    drafter = BubbleDrafter(store, 2, None, SamplingParams(1.0),
+                            ClaimPolicy(chunk=1, in_flight=12, prefill_budget=budget))
     drafter.computed = dict(computed or {})
     drafter.engine = _OtherEngineArrivesAfter(ReferenceEngine(path), store, step, arrive_after)
 

@@ -91,3 +91,97 @@ def test_the_stragglers_order_extends_the_running_drafts_first_longest_first():
 def test_an_unknown_draft_order_is_refused():
     with pytest.raises(ValueError, match="draft order 'longest'"):
         DraftQueue(budget=4, eos_token_ids=(2,), vocab_size=100, order="longest")
+
+
+# ------------------------------------------------------------------------------ drafting policy
+
+class _Task:
+    """Prompt i is [10 + i, 11 + i, 12 + i] with uid "p<i>"; EOS is 2."""
+
+    name, size, eos_token_ids = "counting", 64, (2,)
+
+    def prompt(self, index):
+        from megatron_bubblespec.data.tasks import Prompt
+
+        return Prompt(f"p{index}", index, [10 + index, 11 + index, 12 + index], "0")
+
+
+def _policy(*overrides):
+    from pathlib import Path
+
+    from megatron_bubblespec.config import load_config
+    from megatron_bubblespec.spec.policy import DraftingPolicy
+    from megatron_bubblespec.spec.previous_epoch import ResponseMemory
+    from megatron_bubblespec.spec.samples import SampleBook
+
+    cfg = load_config(Path(__file__).parents[1] / "configs" / "tiny.yaml",
+                      ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
+                       "spec.max_draft_tokens=6", *overrides])
+    sampler = LookaheadSampler(cfg.run.seed, _Task.size, 4, dp_size=2, samples_per_prompt=2)
+    queue = DraftQueue.from_config(cfg, _Task.eos_token_ids, vocab_size=100)
+    return DraftingPolicy(cfg, SampleBook(_Task(), sampler, cfg.run.seed), queue,
+                          ResponseMemory())
+
+
+def test_the_policy_plans_each_sample_once_with_its_key_prompt_and_draft():
+    from megatron_bubblespec.sampling import sample_key
+
+    policy = _policy()
+    book = policy.book
+    keys = book.keys(1)
+    with pytest.warns(UserWarning, match="sample 1 of step 1 carries key"):
+        kept = policy.absorb([Draft(1, 0, keys[(1, 0)], 0, (7, 8)),
+                              Draft(1, 1, keys[(1, 1)] + 1, 0, (3,))])   # a wrong key: dropped
+    assert kept == 1
+    plan = policy.plan(1, dp_rank=0)
+    batch = book.batch(1)
+    assert [s.index for s in plan.samples] == list(batch.rank_sample_range(0))
+    for s in plan.samples:
+        slot = batch.slot(s.index)
+        assert s.prompt.index == slot.prompt_index and s.sample_index == slot.sample_index
+        assert s.key == sample_key(policy.book.seed, 1, s.prompt.uid, s.sample_index)
+    assert plan.drafts()[:2] == [(7, 8), ()]
+    request = plan.requests(48)[0]
+    assert (request.request_id, request.key, request.prompt_token_ids) == \
+        ("s1-0", plan.samples[0].key, list(plan.samples[0].prompt.token_ids))
+    assert policy.plan(1, dp_rank=0).drafts() == [()] * 4              # the queue gave them out
+    policy.absorb([Draft(1, 5, keys[(1, 5)], 0, (9,))])
+    assert policy.plan(1, dp_rank=1).drafts() == [(), (9,), (), ()]
+
+
+def test_continuation_pools_a_prompts_drafts_and_a_partial_draft_is_extended():
+    policy = _policy()
+    keys = policy.book.keys(1)
+    policy.absorb([Draft(1, 0, keys[(1, 0)], 0, (7, 8)), Draft(1, 1, keys[(1, 1)], 0, (7, 2)),
+                   Draft(1, 2, keys[(1, 2)], 0, (4,))])
+    # samples 0 and 1 share a prompt (2 samples per prompt); 2 has a prompt of its own
+    # round-robin over the replicas; sample 1's draft ran to EOS: complete, not drafted again
+    assert [g for _, g in policy.to_draft(0)][:4] == [0, 4, 5, 2]
+    request = policy.drafting_request((1, 0))
+    assert request.drafting and request.response_prefix == [7, 8] and request.max_new_tokens == 6
+    assert policy.drafting_request((1, 3)).response_prefix == []
+    plan = policy.plan(1, dp_rank=0)
+    requests = policy.with_pools(plan, plan.requests(48))
+    assert [r.proposals.drafts for r in requests] == [[[7, 8], [7, 2]], [[7, 8], [7, 2]],
+                                                      [[4]], [[4]]]
+    assert [r.proposals.own for r in requests] == [0, 1, 0, None]
+    off = _policy("spec.speculative_continuation=false")
+    assert all(r.proposals == plan.requests(48)[0].proposals
+               for r in off.with_pools(plan, plan.requests(48)))
+
+
+def test_claims_fill_free_slots_and_pace_the_prefill():
+    from megatron_bubblespec.spec.claims import ClaimPolicy
+
+    chunks = iter([[1, 2], [3, 4], [5, 6], [7]])
+
+    def claim(policy, in_flight):
+        return policy.claim(in_flight, lambda: next(chunks, None), lambda chunk: 10 * len(chunk))
+
+    assert claim(ClaimPolicy(chunk=2, in_flight=5), 0) == [[1, 2], [3, 4], [5, 6]]
+    assert claim(ClaimPolicy(chunk=2, in_flight=5), 4) == [[7]]       # one slot: a whole chunk
+    assert claim(ClaimPolicy(chunk=2, in_flight=5), 0) == []           # the cursor ran dry
+    chunks = iter([[1, 2], [3, 4], [5, 6]])
+    paced = ClaimPolicy(chunk=2, in_flight=8, prefill_budget=25)
+    assert claim(paced, 0) == [[1, 2], [3, 4]]   # 20 < 25 tokens: one more, then the budget
+    assert claim(paced, 4) == [[5, 6]] and not paced.has_room(8) and paced.has_room(7)

@@ -140,27 +140,46 @@ def _as_tuple(v):
     return v.accepted.tolist(), v.next_token.tolist(), v.finished.tolist()
 
 
+def _as_verified(v):
+    """A ``Verified`` as (response prefixes, drafted, accepted)."""
+    return [list(r.response_prefix) for r in v.requests], v.drafted, v.accepted
+
+
+def _verified_from(requests, drafts, verification):
+    """What the engine continues from, by hand: prefix + accepted draft + the target's next token
+    (none after an accepted EOS), cut to the budget."""
+    accepted, next_token, _ = verification
+    prefixes = []
+    for r, d, n, token in zip(requests, drafts, accepted, next_token):
+        tokens = list(d[:n]) + ([token] if token != NO_TOKEN else [])
+        prefixes.append(list(r.response_prefix) + tokens[:r.max_new_tokens - len(r.response_prefix)])
+    return prefixes, [len(d) for d in drafts], accepted
+
+
 def _verifier_worker(path, tp, pp, cases):
     init_distributed(tp, pp, seed=0)
     spec, tensors = load_checkpoint(path)
     with megatron_cpu_mode():
         model = build_gpt_model(spec)
         load_hf_weights(model, spec, tensors)
-    verifier = MegatronVerifier(model, spec)
-    out = {}
+    out = {"seconds": []}
     for name, (requests, drafts) in cases.items():
-        params = PARAMS[name]
-        out[name] = _as_tuple(verifier.verify(requests, drafts, params))
-        out[name + "/micro"] = _as_tuple(verifier.verify(requests, drafts, params,
-                                                         micro_batch_size=MICRO_BATCH))
-    out["seconds"] = verifier.last_seconds
+        whole = MegatronVerifier(model, spec, PARAMS[name])
+        micro = MegatronVerifier(model, spec, PARAMS[name], micro_batch_size=MICRO_BATCH)
+        out[name] = _as_tuple(whole.verification(requests, drafts))
+        out[name + "/micro"] = _as_tuple(micro.verification(requests, drafts))
+        verified = micro.verify(requests, drafts)   # the Verifier protocol: what the loop reads
+        out[name + "/verified"] = _as_verified(verified)
+        out["seconds"].append(verified.seconds)
     requests, drafts, _ = _malformed_case()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out["malformed"] = _as_tuple(verifier.verify(requests, drafts, PARAMS["greedy"],
-                                                     micro_batch_size=3))
+        malformed = MegatronVerifier(model, spec, PARAMS["greedy"], micro_batch_size=3)
+        out["malformed"] = _as_tuple(malformed.verification(requests, drafts))
     out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-    out["no-requests"] = _as_tuple(verifier.verify([], [], PARAMS["T1"]))
+    out["no-requests"] = _as_tuple(MegatronVerifier(model, spec, PARAMS["T1"]).verification([], []))
+    out["no-requests/verified"] = _as_verified(MegatronVerifier(model, spec,
+                                                                PARAMS["T1"]).verify([], []))
     destroy_distributed()
     return out
 
@@ -191,6 +210,7 @@ def test_megatron_verifier_equals_reference_engine(target, cases, megatron_runs,
         for rank, out in enumerate(per_rank):   # every rank of the replica returns the same result
             assert out[name] == want, (name, rank)
             assert out[name + "/micro"] == want, (name, rank)
+            assert out[name + "/verified"] == _verified_from(requests, drafts, want), (name, rank)
         accepted, next_token, finished = want
         accepted_total += sum(accepted)
         accepted_eos += sum(t == NO_TOKEN for t in next_token)
@@ -199,8 +219,9 @@ def test_megatron_verifier_equals_reference_engine(target, cases, megatron_runs,
     # the comparison covered long accepted prefixes, accepted EOS and fully accepted drafts
     assert accepted_total > 100, accepted_total
     assert accepted_eos >= 2 and bonus >= 4, (accepted_eos, bonus)
-    assert all(out["seconds"] > 0 for out in per_rank)
+    assert all(s > 0 for out in per_rank for s in out["seconds"])
     assert all(out["no-requests"] == ([], [], []) for out in per_rank)
+    assert all(out["no-requests/verified"] == ([], [], []) for out in per_rank)
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)], ids=["tp1-pp1", "tp2-pp2"])

@@ -14,9 +14,9 @@ from megatron_bubblespec.measure.sim.calibrate import (calibrate, calibration_ch
                                                fit_accept_prob, fit_capped_lengths,
                                                fit_continuation, fit_engine_from_bench,
                                                fit_jitter, fit_lengths, grid_accept_prob)
-from megatron_bubblespec.measure.sim.drafting import draft_in_bubble
+from megatron_bubblespec.measure.sim.drafting import draft_in_bubble, drafting_order
 from megatron_bubblespec.measure.sim.model import (EngineCosts, LengthModel, Setting, StepCosts,
-                                           continued_decode_steps, drafting_order, simulate)
+                                                   continued_decode_steps, simulate)
 
 DATA = Path(__file__).parent / "data" / "sim"
 BENCH = DATA / "tiny" / "bench.json"

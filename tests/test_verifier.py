@@ -598,3 +598,37 @@ def test_settle_eos_keeps_up_to_the_first_eos():
     assert settle_eos([4, 2, 7], {3}) == (3, False)
     assert settle_eos([], {2}) == (0, False)
     assert settle_eos([9], {9, 1}) == (1, True)
+
+
+# ------------------------------------------------------------------------------ the verify stage
+
+def test_only_drafted_requests_are_verified_and_in_rollout_drafts_settle_from_the_responses():
+    """``verify_drafts``: requests without a draft reach the engine unchanged (it draws the same
+    first token a verifier would); a verifier's answer lands in its requests' places; drafts
+    verified inside the rollout settle from the responses' common prefix with the draft."""
+    from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
+    from megatron_bubblespec.spec.verifier import InRolloutVerifier, Verified, verify_drafts
+
+    requests = [RolloutRequest(f"s0-{i}", [5, 6], i, 8, response_prefix=[9] * (i == 2))
+                for i in range(4)]
+    drafts = [(), (3, 4, 5), (), (7, 300)]   # 300 is outside the vocabulary: dropped
+
+    class Recording:
+        def verify(self, reqs, given):
+            self.seen = [r.request_id for r in reqs], given
+            return Verified(list(reqs), [len(d) for d in given], [2, 0], 0.5)
+
+    recording = Recording()
+    out = verify_drafts(recording, requests, drafts)
+    assert recording.seen == (["s0-1", "s0-3"], [[3, 4, 5], [7, 300]])
+    assert out.drafted == [0, 3, 0, 2] and out.accepted == [0, 2, 0, 0] and out.seconds == 0.5
+    assert out.requests[0] is requests[0] and out.requests[2] is requests[2]
+    assert verify_drafts(None, requests, [()] * 4).requests == requests
+
+    with pytest.warns(RuntimeWarning, match="'s0-3'.*dropped"):
+        inside = verify_drafts(InRolloutVerifier(vocab_size=100), requests, drafts)
+    assert [r.draft for r in inside.requests] == [[], [3, 4, 5], [], []]
+    assert inside.drafted == [0, 3, 0, 2] and inside.accepted == [0, None, 0, None]
+    responses = [RolloutResult(r.request_id, tokens, [0.0] * len(tokens), len(tokens), "eos")
+                 for r, tokens in zip(inside.requests, ([1], [3, 4, 6, 2], [9, 1], [7, 1]))]
+    assert inside.settled(responses) == [0, 2, 0, 0]

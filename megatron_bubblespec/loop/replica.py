@@ -1,5 +1,5 @@
 """One rank's resources: config -> model checkpoint, rollout layout and engine, Megatron trainer +
-verifier, resharder, bubble drafter, task and lookahead sampler.
+verifier, resharder, bubble drafter, task and lookahead sampler, drafting policy.
 
 Rollout has a layout of its own (``loop.layout``): every rank belongs to one rollout engine of
 ``rollout.tensor_parallel`` consecutive ranks of its model replica, so every rank generates. An
@@ -31,8 +31,10 @@ from megatron_bubblespec.models.architecture import ModelSpec, load_checkpoint, 
 from megatron_bubblespec.rollout.factory import build_engine, engine_options
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.spec.bubble import BubbleDrafter
+from megatron_bubblespec.spec.policy import DraftingPolicy
 from megatron_bubblespec.spec.previous_epoch import ResponseMemory
 from megatron_bubblespec.spec.queue import DraftQueue
+from megatron_bubblespec.spec.samples import SampleBook
 from megatron_bubblespec.spec.verifier import Verifier, build_verifier
 
 if TYPE_CHECKING:   # annotations only: these import megatron / the engines when built
@@ -71,6 +73,7 @@ class Replica:
     replica_group: dist.ProcessGroup   # gloo, the replica's ranks (results to the learners)
     world_group: dist.ProcessGroup     # gloo, every rank (drafts, per-engine metrics)
     state: RunState
+    policy: DraftingPolicy             # what is drafted, verified, proposed, remembered (on state)
     heartbeat: Heartbeat | None = None  # when the loop keeps one
 
     @property
@@ -164,6 +167,11 @@ def build_replica(cfg: Config) -> Replica:
                                cfg.rollout.samples_per_prompt)
     rollout_tp = cfg.rollout.tensor_parallel
     layout, replica_group, world_group = build_layout(rollout_tp, dp_rank, dp_size)
+    state = RunState(0, DraftQueue.from_config(cfg, task.eos_token_ids, spec.vocab_size,
+                                               engines_per_replica=layout.engines_per_replica),
+                     ResponseMemory())
+    policy = DraftingPolicy(cfg, SampleBook(task, sampler, cfg.run.seed), state.drafts,
+                            state.responses)
     if cfg.rollout.engine == "vllm":
         from megatron_bubblespec.distributed.vllm_groups import init_vllm_parallel_state
 
@@ -179,13 +187,9 @@ def build_replica(cfg: Config) -> Replica:
 
             engine = LockstepEngine(engine_shard, engine_cpu_group())
         drafter = BubbleDrafter(default_store(), layout.num_engines, engine, params,
-                                chunk=cfg.spec.draft_chunk, in_flight=cfg.spec.draft_in_flight,
-                                prefill_budget=cfg.spec.draft_prefill_tokens,
-                                timeout_s=cfg.spec.barrier_timeout_s,
+                                policy.claims, timeout_s=cfg.spec.barrier_timeout_s,
                                 namespace=f"bubblespec/{cfg.run.name}")
     verifier = build_verifier(cfg, params, model=model, spec=spec, engine=engine)
-    queue = DraftQueue.from_config(cfg, task.eos_token_ids, spec.vocab_size,
-                                   engines_per_replica=layout.engines_per_replica)
     return Replica(cfg, spec, path, params, task, sampler, trainer, verifier, trainer.resharder(),
-                   engine, drafter, engine_shard, layout, replica_group, world_group,
-                   RunState(0, queue, ResponseMemory()))
+                   engine, drafter, engine_shard, layout, replica_group, world_group, state,
+                   policy)

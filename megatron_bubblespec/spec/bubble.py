@@ -3,20 +3,12 @@ coming steps' samples (claimed in chunks from a shared cursor) one engine step a
 when all engines arrived.
 
 Every rollout engine (``loop.layout``; one per DP rank in a DP-only layout) arrives once, through
-its first rank. A drafting engine keeps up to ``in_flight`` samples at once (its full decode
-batch: an engine step costs nearly the same for 1 or 32 rows, so drafted tokens per bubble-second
-grow with the batch), refilling from the cursor as drafts finish; it stops within one engine step
-of the barrier's close whatever the batch.
-
-That one engine step is the overshoot the step waits for, and a step that prefills the claimed
-requests (prompt + earlier draft: 1,500-2,700 tokens for 12 samples of the main job) is the
-longest there is: on a CPU it ran 0.2-2.5 s past the barrier in bubbles shorter than itself.
-``prefill_budget`` (``spec.draft_prefill_tokens``) paces the claims instead: each engine step
-takes new requests only until their estimated prefill reaches the budget (at least one chunk when
-there is room), so the batch fills over a few short steps while the first drafts already decode.
-The estimate is prompt + prefix, less the tokens this engine itself computed for the sample in an
-earlier bubble (their KV is likely still cached: ``spec.reuse_draft_kv``). Pacing changes which
-tokens the drafts hold when the barrier closes, never a rollout token (drafts are proposals).
+its first rank. A drafting engine claims samples as ``spec.claims.ClaimPolicy`` decides (a full
+decode batch in flight, refilled from the cursor as drafts finish; the prefill per engine step
+paced by a budget) and stops within one engine step of the barrier's close whatever the batch.
+The prefill estimate of a claimed request is prompt + prefix, less the tokens this engine itself
+computed for the sample in an earlier bubble (their KV is likely still cached:
+``spec.reuse_draft_kv``).
 
 The counter and the cursor live in the torch.distributed store, which works for gloo and NCCL
 alike and costs one round trip per check. Fast engines arrive first and claim more chunks; no
@@ -28,15 +20,15 @@ a message naming the step and how many engines had arrived, never a silent hang.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
+from megatron_bubblespec.spec.claims import ClaimPolicy
 from megatron_bubblespec.spec.drafts import Draft
-from megatron_bubblespec.spec.queue import Sample
+from megatron_bubblespec.spec.queue import SampleId
 
 if TYPE_CHECKING:   # an annotation only: spec sits below rollout
     from megatron_bubblespec.rollout.base import RolloutEngine
@@ -59,20 +51,20 @@ class BubbleStats:
 class BubbleDrafter:
     """Arrive, draft while others are still generating, return the partial drafts."""
 
-    def __init__(self, store, num_engines: int, engine: RolloutEngine, params: SamplingParams, *,
-                 chunk: int = 2, in_flight: int = 32, prefill_budget: int = 0,
-                 timeout_s: float = 600.0, poll_s: float = 0.002, namespace: str = "bubblespec"):
+    def __init__(self, store, num_engines: int, engine: RolloutEngine, params: SamplingParams,
+                 claims: ClaimPolicy, *, timeout_s: float = 600.0, poll_s: float = 0.002,
+                 namespace: str = "bubblespec"):
         self.store, self.num_engines, self.engine, self.params = store, num_engines, engine, params
-        self.chunk, self.in_flight = chunk, max(in_flight, chunk)
-        self.prefill_budget = prefill_budget or math.inf   # tokens per engine step; 0: no bound
+        self.claims = claims
         self.timeout_s, self.poll_s, self.namespace = timeout_s, poll_s, namespace
-        self.computed: dict[Sample, int] = {}   # prompt + draft tokens this engine ran, per sample
+        # prompt + draft tokens this engine ran, per sample
+        self.computed: dict[SampleId, int] = {}
 
     def _key(self, what: str, step: int) -> str:
         return f"{self.namespace}/{what}/{step}"
 
-    def arrive_and_draft(self, step: int, samples: Sequence[Sample],
-                         next_request: Callable[[Sample], RolloutRequest] | None,
+    def arrive_and_draft(self, step: int, samples: Sequence[SampleId],
+                         next_request: Callable[[SampleId], RolloutRequest] | None,
                          weight_version: int) -> tuple[list[Draft], BubbleStats]:
         """Arrive at step ``step``'s barrier; draft ``samples`` until it closes.
 
@@ -82,41 +74,20 @@ class BubbleDrafter:
         budget). An empty list or no ``next_request`` is a plain barrier.
         """
         stats, drafts = BubbleStats(), []
-        arrive, cursor, closed = (self._key(k, step) for k in ("arrive", "cursor", "closed"))
+        arrive, closed = self._key("arrive", step), self._key("closed", step)
         arrived_at = time.perf_counter()
         if self.store.add(arrive, 1) >= self.num_engines:
             self.store.set(closed, repr(time.time()))
             stats.last_to_arrive = True
             return drafts, stats
-        pending: dict[str, tuple[Sample, int, int, int]] = {}  # id -> (sample, key, prefix, prompt)
-        exhausted = next_request is None or not samples
+        cursor = _Cursor(self.store, self._key("cursor", step), samples, self.claims.chunk,
+                         next_request)
+        # request id -> (sample, key, prefix length, prompt length)
+        pending: dict[str, tuple[SampleId, int, int, int]] = {}
         self.computed = {s: n for s, n in self.computed.items() if s[0] > step}
         while self.store.add(arrive, 0) < self.num_engines:
-            if time.perf_counter() - arrived_at > self.timeout_s:
-                raise TimeoutError(
-                    f"step {step}: only {self.store.add(arrive, 0)} of {self.num_engines} rollout "
-                    f"engines reached the barrier within {self.timeout_s:.0f} s; a rank died or "
-                    "hangs (see its log); raise spec.barrier_timeout_s if steps are legitimately "
-                    "slower")
-            claimed_tokens = 0
-            while (not exhausted and len(pending) < self.in_flight
-                   and claimed_tokens < self.prefill_budget):
-                end = self.store.add(cursor, self.chunk)
-                start = end - self.chunk
-                if start >= len(samples):
-                    exhausted = True
-                    break
-                chunk = samples[start:end]
-                claimed = [next_request(sample) for sample in chunk]
-                stats.claimed_samples += len(claimed)
-                tokens = [len(r.prompt_token_ids) + len(r.response_prefix) for r in claimed]
-                stats.prefill_tokens += sum(tokens)
-                claimed_tokens += sum(max(n - self.computed.get(sample, 0), 0)
-                                      for n, sample in zip(tokens, chunk))
-                pending.update({r.request_id: (sample, r.key, len(r.response_prefix),
-                                               len(r.prompt_token_ids))
-                                for r, sample in zip(claimed, chunk)})
-                self.engine.add(claimed, self.params)
+            self._check_timeout(step, arrive, arrived_at)
+            self._claim(cursor, pending, stats)
             if not self.engine.has_unfinished():
                 time.sleep(self.poll_s)  # nothing left to draft: plain waiting
                 continue
@@ -135,8 +106,29 @@ class BubbleDrafter:
         stats.drafted_tokens = sum(len(d.tokens) for d in drafts)
         return [d for d in drafts if d.tokens], stats
 
+    def _check_timeout(self, step: int, arrive: str, arrived_at: float) -> None:
+        if time.perf_counter() - arrived_at > self.timeout_s:
+            raise TimeoutError(
+                f"step {step}: only {self.store.add(arrive, 0)} of {self.num_engines} rollout "
+                f"engines reached the barrier within {self.timeout_s:.0f} s; a rank died or hangs "
+                "(see its log); raise spec.barrier_timeout_s if steps are legitimately slower")
+
+    def _claim(self, cursor: _Cursor, pending: dict, stats: BubbleStats) -> None:
+        """This engine step's claims (``ClaimPolicy``) -> requests added to the engine."""
+        def prefill(chunk) -> int:
+            tokens = [len(r.prompt_token_ids) + len(r.response_prefix) for _, r in chunk]
+            stats.prefill_tokens += sum(tokens)
+            return sum(max(n - self.computed.get(sample, 0), 0)
+                       for n, (sample, _) in zip(tokens, chunk))
+
+        for chunk in self.claims.claim(len(pending), cursor.next_chunk, prefill):
+            stats.claimed_samples += len(chunk)
+            pending.update({r.request_id: (sample, r.key, len(r.response_prefix),
+                                           len(r.prompt_token_ids)) for sample, r in chunk})
+            self.engine.add([r for _, r in chunk], self.params)
+
     def _collect(self, results: list[RolloutResult],
-                 pending: dict[str, tuple[Sample, int, int, int]], weight_version: int,
+                 pending: dict[str, tuple[SampleId, int, int, int]], weight_version: int,
                  stats: BubbleStats) -> list[Draft]:
         out = []
         for r in results:
@@ -147,3 +139,24 @@ class BubbleDrafter:
                 self.computed[(step, index)] = prompt + len(r.token_ids)
                 out.append(Draft(step, index, key, weight_version, tuple(r.token_ids)))
         return out
+
+
+class _Cursor:
+    """The shared drafting cursor in the store: each call takes the next chunk of ``samples``
+    (with their drafting requests), None once they are all handed out."""
+
+    def __init__(self, store, key: str, samples: Sequence[SampleId], chunk: int,
+                 next_request: Callable[[SampleId], RolloutRequest] | None):
+        self.store, self.key, self.samples, self.chunk = store, key, samples, chunk
+        self.next_request = next_request
+        self.exhausted = next_request is None or not samples
+
+    def next_chunk(self) -> list[tuple[SampleId, RolloutRequest]] | None:
+        if self.exhausted:
+            return None
+        end = self.store.add(self.key, self.chunk)
+        start = end - self.chunk
+        if start >= len(self.samples):
+            self.exhausted = True
+            return None
+        return [(sample, self.next_request(sample)) for sample in self.samples[start:end]]

@@ -11,13 +11,12 @@ CPU tensors whenever the group's backend takes them (gloo, or a ``cpu:gloo,cuda:
 takes no CPU tensors: there the exchange uses megatron-core's gloo twin of the data-parallel group
 (``parallel_state.get_data_parallel_group_gloo()``, built by ``initialize_model_parallel`` unless
 ``create_gloo_process_groups=False``), and only when no twin with the same ranks exists, device
-tensors on the NCCL group itself. Why the twin first, for the long-context configs' sizes: a step
-gathers at most 256 samples x (32256 or 65536 draft tokens + 4) x 8 B = 66 or 134 MB (a few MB in
-practice: GSM8K responses are short and the bubble ends drafting early). Over TCP at 1-3 GB/s that
-is 22-134 ms at worst; NCCL moves it in a few ms but needs a host-to-device copy, the gathered
-tensor in GPU memory that vLLM and training share, a stream sync and a device-to-host copy back;
-and unpacking 8-17 M Python ints takes longer (~1 s) than either transport. Both are far below
-one long-context step (tens of minutes), so the path that takes nothing from the GPU wins.
+tensors on the NCCL group itself. Why the twin first: even the long-context configs' largest
+exchange (every sample's draft at the full budget, as int64) moves over TCP well within a step's
+time, while NCCL would need a host-to-device copy, the gathered tensor in GPU memory that vLLM and
+training share, a stream sync and a device-to-host copy back; and unpacking the drafts into Python
+ints costs more than either transport. Both are far below one long-context step, so the path that
+takes nothing from the GPU wins.
 """
 
 from __future__ import annotations

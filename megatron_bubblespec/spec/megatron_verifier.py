@@ -28,12 +28,14 @@ up to floating-point differences between the two forwards.
 from __future__ import annotations
 
 import time
+from typing import Sequence
 
 import torch
 
-from megatron_bubblespec.sampling.requests import RolloutRequest
 from megatron_bubblespec.sampling import SamplingParams
+from megatron_bubblespec.sampling.requests import RolloutRequest
 from megatron_bubblespec.spec.validate import request_draft
+from megatron_bubblespec.spec.verifier import Verified, verified
 from megatron_bubblespec.spec.verify import Verification, verify_keyed
 from megatron_bubblespec.tokens import pad_token_rows
 from megatron_bubblespec.train.forward import megatron_forward
@@ -42,86 +44,51 @@ PAD_ID = 0
 
 
 class MegatronVerifier:
-    """Exact keyed verification of drafts by the Megatron model of this rank's replica.
+    """Exact keyed verification of drafts by the Megatron model of this rank's replica (a
+    ``spec.verifier.Verifier``).
 
     ``model`` is this rank's GPTModel piece (any TP/PP; wrapped modules work), ``spec`` its
-    ``ModelSpec`` (``spec.vocab_size`` is the real vocabulary, without Megatron's padding).
-    ``last_seconds`` is the wall time of the latest ``verify`` call (the ``spec/verify_s`` metric).
+    ``ModelSpec`` (``spec.vocab_size`` is the real vocabulary, without Megatron's padding),
+    ``params`` the sampling parameters of the keyed draws, ``micro_batch_size`` the split of the
+    batch for the pipeline schedule (the batch is padded with dummy rows to a multiple of it).
     """
 
-    def __init__(self, model, spec):
+    def __init__(self, model, spec, params: SamplingParams, micro_batch_size: int | None = None):
         from megatron.core import parallel_state as ps
 
         if ps.get_context_parallel_world_size() > 1:
             raise ValueError("MegatronVerifier does not support context parallelism (the logits "
                              "of a sequence would be split over ranks); use context_parallel=1 "
                              "on the verifying ranks")
-        self.model = model
-        self.spec = spec
-        self.last_seconds = 0.0
+        self.model, self.spec = model, spec
+        self.params, self.micro_batch_size = params, micro_batch_size
 
-    def verify(self, requests: list[RolloutRequest], drafts: list[list[int]],
-               params: SamplingParams, micro_batch_size: int | None = None) -> Verification:
-        """One forward over prompt + prefix + draft per request -> ``Verification`` (CPU int64
-        tensors, identical on every rank of the replica). ``micro_batch_size`` splits the batch
-        for the pipeline schedule (the batch is padded with dummy rows to a multiple of it)."""
+    def verify(self, requests: Sequence[RolloutRequest],
+               drafts: Sequence[Sequence[int]]) -> Verified:
+        """The requests the engine continues from, with the verified tokens as their prefix."""
         start = time.perf_counter()
-        try:
-            return self._verify(list(requests), list(drafts), params, micro_batch_size)
-        finally:
-            self.last_seconds = time.perf_counter() - start
+        drafts = [list(d) for d in drafts]
+        return verified(requests, drafts, self.verification(requests, drafts), start)
 
-    # ------------------------------------------------------------------ internals
-    def _verify(self, requests, drafts, params, micro_batch_size) -> Verification:
+    def verification(self, requests: Sequence[RolloutRequest],
+                     drafts: Sequence[Sequence[int]]) -> Verification:
+        """One forward over prompt + prefix + draft per request -> the keyed rule's
+        ``Verification`` (CPU int64 tensors, identical on every rank of the replica)."""
         from megatron.core import parallel_state as ps
 
-        if len(requests) != len(drafts):
-            raise ValueError(f"{len(requests)} requests but {len(drafts)} drafts; pass one draft "
+        requests, n = list(requests), len(requests)
+        if n != len(drafts):
+            raise ValueError(f"{n} requests but {len(drafts)} drafts; pass one draft "
                              "(possibly empty) per request")
-        n = len(requests)
         if n == 0:
             empty = torch.zeros(0, dtype=torch.int64)
             return Verification(empty, empty.clone(), torch.zeros(0, dtype=torch.bool))
-        drafts = [request_draft(r, d, self.spec.vocab_size) for r, d in zip(requests, drafts)]
-        rows = [list(r.prompt_token_ids) + list(r.response_prefix) + d
-                for r, d in zip(requests, drafts)]
-        mbs = min(micro_batch_size or n, n)
-        batch = -(-n // mbs) * mbs
-        tokens = self._pack(rows, batch)
-        starts = [len(r.prompt_token_ids) + len(r.response_prefix) - 1 for r in requests]
-        prefix_lens = [len(r.response_prefix) for r in requests]
-        keys = [r.key for r in requests]
-        tp_group = ps.get_tensor_model_parallel_group()
-        tp_rank = ps.get_tensor_model_parallel_rank()
-
-        def positions(mb_rows: slice) -> torch.Tensor:
-            """Per sequence of the micro-batch, the L + 1 positions whose logits its draft needs
-            (L the micro-batch's longest draft; the rows past a draft's end are never read, and
-            a dummy row reads position 0), clamped to the batch's length."""
-            real = range(mb_rows.start, min(mb_rows.stop, n))
-            width = max(len(drafts[i]) for i in real) + 1
-            first = torch.zeros(mb_rows.stop - mb_rows.start, 1, dtype=torch.int64)
-            first[:len(real), 0] = torch.tensor([starts[i] for i in real])
-            return (first + torch.arange(width)).clamp(max=tokens.shape[1] - 1)
-
-        def on_logits(logits: torch.Tensor, mb_rows: slice):
-            real = range(mb_rows.start, min(mb_rows.stop, n))
-            device, local_vocab = logits.device, logits.shape[-1]
-            target = logits[:len(real)]   # [b, L + 1, V_local]: the draft's positions only
-            width = target.shape[1]
-            draft = torch.zeros(len(real), width - 1, dtype=torch.int64, device=device)
-            for row, i in enumerate(real):
-                draft[row, :len(drafts[i])] = torch.tensor(drafts[i], dtype=torch.int64)
-            result = verify_keyed(
-                target, draft, torch.tensor([len(drafts[i]) for i in real], device=device),
-                torch.tensor([keys[i] for i in real], dtype=torch.int64, device=device),
-                torch.tensor([prefix_lens[i] for i in real], device=device), params,
-                [requests[i].eos_token_ids for i in real], vocab_offset=tp_rank * local_vocab,
-                vocab_size=self.spec.vocab_size, group=tp_group)
-            return result.accepted.tolist(), result.next_token.tolist(), result.finished.tolist()
-
-        per_mb = megatron_forward(self.model, tokens, on_logits, micro_batch_size=mbs,
-                                  logit_positions=positions)
+        batch = _Batch(requests, [request_draft(r, d, self.spec.vocab_size)
+                                  for r, d in zip(requests, drafts)])
+        mbs = min(self.micro_batch_size or n, n)
+        tokens = self._pack(batch.rows(), -(-n // mbs) * mbs)
+        per_mb = megatron_forward(self.model, tokens, self._settle(batch), micro_batch_size=mbs,
+                                  logit_positions=batch.positions(tokens.shape[1]))
         device = next(self.model.parameters()).device
         packed = torch.zeros(3, n, dtype=torch.int64, device=device)
         if per_mb is not None:   # last pipeline stage
@@ -134,6 +101,34 @@ class MegatronVerifier:
         return Verification(accepted=packed[0].clone(), next_token=packed[1].clone(),
                             finished=packed[2].bool())
 
+    # ------------------------------------------------------------------ internals
+    def _settle(self, batch: _Batch):
+        """The last stage's logits of a micro-batch -> the vocab-parallel keyed rule's columns
+        (accepted, next token, finished) of its real rows."""
+        from megatron.core import parallel_state as ps
+
+        tp_group = ps.get_tensor_model_parallel_group()
+        tp_rank = ps.get_tensor_model_parallel_rank()
+
+        def on_logits(logits: torch.Tensor, mb_rows: slice):
+            real = batch.real(mb_rows)
+            device, local_vocab = logits.device, logits.shape[-1]
+            target = logits[:len(real)]   # [b, L + 1, V_local]: the draft's positions only
+            draft = torch.zeros(len(real), target.shape[1] - 1, dtype=torch.int64, device=device)
+            for row, i in enumerate(real):
+                draft[row, :len(batch.drafts[i])] = torch.tensor(batch.drafts[i], dtype=torch.int64)
+            requests = [batch.requests[i] for i in real]
+            result = verify_keyed(
+                target, draft, torch.tensor([len(batch.drafts[i]) for i in real], device=device),
+                torch.tensor([r.key for r in requests], dtype=torch.int64, device=device),
+                torch.tensor([len(r.response_prefix) for r in requests], device=device),
+                self.params, [r.eos_token_ids for r in requests],
+                vocab_offset=tp_rank * local_vocab, vocab_size=self.spec.vocab_size,
+                group=tp_group)
+            return result.accepted.tolist(), result.next_token.tolist(), result.finished.tolist()
+
+        return on_logits
+
     def _pack(self, rows: list[list[int]], batch: int) -> torch.Tensor:
         """Right-padded [batch, S] tokens; rows past ``len(rows)`` are dummies (all padding).
         S is a multiple of TP when sequence parallelism splits the sequence over the TP group."""
@@ -145,3 +140,33 @@ class MegatronVerifier:
             tp = ps.get_tensor_model_parallel_world_size()
             width = -(-width // tp) * tp
         return pad_token_rows(rows, PAD_ID, width=width, batch=batch)[0]
+
+
+class _Batch:
+    """The verified requests with their checked drafts, as rows of one forward."""
+
+    def __init__(self, requests: list[RolloutRequest], drafts: list[list[int]]):
+        self.requests, self.drafts = requests, drafts
+
+    def rows(self) -> list[list[int]]:
+        return [list(r.prompt_token_ids) + list(r.response_prefix) + d
+                for r, d in zip(self.requests, self.drafts)]
+
+    def real(self, mb_rows: slice) -> range:
+        """The real (not dummy) rows of a micro-batch."""
+        return range(mb_rows.start, min(mb_rows.stop, len(self.requests)))
+
+    def positions(self, length: int):
+        """Per sequence of a micro-batch, the L + 1 positions whose logits its draft needs (L the
+        micro-batch's longest draft; the rows past a draft's end are never read, and a dummy row
+        reads position 0), from the last prefix position, clamped to the batch's ``length``."""
+        starts = [len(r.prompt_token_ids) + len(r.response_prefix) - 1 for r in self.requests]
+
+        def positions(mb_rows: slice) -> torch.Tensor:
+            real = self.real(mb_rows)
+            width = max(len(self.drafts[i]) for i in real) + 1
+            first = torch.zeros(mb_rows.stop - mb_rows.start, 1, dtype=torch.int64)
+            first[:len(real), 0] = torch.tensor([starts[i] for i in real])
+            return (first + torch.arange(width)).clamp(max=length - 1)
+
+        return positions

@@ -10,11 +10,14 @@ The memory holds one response per (prompt, sample index): the latest, so at most
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch.distributed as dist
 
 from megatron_bubblespec.spec.drafts import Draft
+
+if TYPE_CHECKING:   # an annotation only
+    from megatron_bubblespec.spec.samples import Sample
 
 
 class ResponseMemory:
@@ -24,15 +27,14 @@ class ResponseMemory:
     def __init__(self) -> None:
         self.by_prompt: dict[str, dict[int, list[int]]] = {}
 
-    def drafts(self, step: int, samples: Sequence[tuple[int, str, int, int]],
-               budget: int) -> dict[int, Draft]:
-        """``samples``: (global index, prompt uid, sample index, key) of my step-``step`` samples
-        -> their drafts (global index -> draft), for those the memory holds."""
+    def drafts(self, samples: Sequence[Sample], budget: int) -> dict[int, Draft]:
+        """``samples`` (of one step) -> their drafts (global index -> draft), for those the
+        memory holds, cut to ``budget``."""
         out = {}
-        for g, uid, sample_index, key in samples:
-            tokens = self.by_prompt.get(uid, {}).get(sample_index)
+        for s in samples:
+            tokens = self.by_prompt.get(s.prompt.uid, {}).get(s.sample_index)
             if tokens:
-                out[g] = Draft(step, g, key, -1, tuple(tokens[:budget]))
+                out[s.index] = Draft(s.step, s.index, s.key, -1, tuple(tokens[:budget]))
         return out
 
     def of(self, uid: str) -> list[list[int]]:

@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 from megatron_bubblespec.config.schema import DRAFT_ORDERS
 from megatron_bubblespec.spec.drafts import Draft, select_drafts
 
-Sample = tuple[int, int]     # (step, global sample index within the step)
+SampleId = tuple[int, int]   # (step, global sample index within the step)
 
 
 class DraftQueue:
@@ -62,7 +62,7 @@ class DraftQueue:
         return draft is not None and bool(draft.tokens) and (
             len(draft.tokens) >= self.budget or draft.tokens[-1] in self.eos_token_ids)
 
-    def left_to_draft(self, batches: Iterable) -> list[Sample]:
+    def left_to_draft(self, batches: Iterable) -> list[SampleId]:
         """The samples of ``batches`` (``data.lookahead.StepBatch``, in step order) still to
         draft, in drafting order (``ablation.draft_order``: see the module docstring)."""
         samples = []
@@ -79,7 +79,7 @@ class DraftQueue:
         return len(draft.tokens) if draft is not None else 0
 
     # ------------------------------------------------------------------ in and out
-    def absorb(self, drafts: Sequence[Draft], expected_keys: dict[Sample, int]) -> int:
+    def absorb(self, drafts: Sequence[Draft], expected_keys: dict[SampleId, int]) -> int:
         """Every rank's exchanged drafts -> the queue (a newer draft of a sample replaces the
         older one it extends); malformed ones are dropped with a warning. Returns how many were
         kept."""

@@ -1,10 +1,13 @@
-"""Verifiers: (requests, drafts) -> (the requests the engine continues from, accepted tokens, seconds).
+"""Verifiers: (requests, drafts) -> ``Verified``: the requests the engine continues from, drafted
+and accepted tokens, seconds.
 
-One interface, chosen once by ``build_verifier``; the loop never branches on the rule or the place:
+One interface and one result, chosen once by ``build_verifier``; the loop never branches on the
+rule or the place:
 
-* ``MegatronDraftVerifier`` (``spec.verifier: megatron``, the default): the training ranks that
-  already hold the step's weights run one forward over prompt + prefix + draft, keyed argmax per
-  position (vocab-parallel over TP). Every rank of the replica calls it (collective).
+* ``spec.megatron_verifier.MegatronVerifier`` (``spec.verifier: megatron``, the default): the
+  training ranks that already hold the step's weights run one forward over prompt + prefix +
+  draft, keyed argmax per position (vocab-parallel over TP). Every rank of the replica calls it
+  (collective).
 * ``EngineVerifier`` (``spec.verifier: engine`` on the reference engine): the rollout engine
   verifies with its own forward before the rollout, with any rule the engine implements (the
   ablation rules, residual and lenient, need the drafting policy's distributions).
@@ -12,10 +15,11 @@ One interface, chosen once by ``build_verifier``; the loop never branches on the
   each request carries its draft into the engine, which proposes it whole after the prefill and
   verifies it in its keyed spec-decode step (``spec.pool.Continuation``). The prompt is prefilled
   once, the accepted prefix never twice, and the accepted tokens are settled from the responses
-  (``accepted_in_rollout``).
+  (``Verified.settled``).
 
-``apply_verification`` turns a verification into the requests the engine continues from: prompt +
-the verified tokens as a fixed response prefix.
+``verify_drafts`` is the step's verify stage: only the requests that have a draft go to the
+verifier. ``verified`` turns a rule's ``spec.verify.Verification`` into the requests the engine
+continues from: prompt + the verified tokens as a fixed response prefix.
 """
 
 from __future__ import annotations
@@ -27,43 +31,55 @@ from typing import Protocol, Sequence
 import torch
 
 from megatron_bubblespec.sampling import SamplingParams
-from megatron_bubblespec.sampling.requests import RolloutRequest
+from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
 from megatron_bubblespec.spec.validate import request_draft
 from megatron_bubblespec.spec.verify import Verification
 
 
 @dataclass
-class Checked:
-    """A verifier's answer for the drafted requests, in their order."""
+class Verified:
+    """The verification of a list of requests, in their order."""
 
     requests: list[RolloutRequest]   # what the engine continues from
+    drafted: list[int]               # draft tokens per request, as proposed (0: no draft)
     accepted: list[int | None]       # accepted draft tokens; None: the rollout settles it
-    seconds: float                   # wall time spent verifying before the rollout
+    seconds: float = 0.0             # wall time spent verifying before the rollout
+
+    def settled(self, results: Sequence[RolloutResult]) -> list[int]:
+        """``accepted``, with the drafts verified inside the rollout settled from its
+        ``results`` (one per request, in order)."""
+        return [accepted_in_rollout(request, result.token_ids) if accepted is None else accepted
+                for request, accepted, result in zip(self.requests, self.accepted, results)]
 
 
 class Verifier(Protocol):
     def verify(self, requests: Sequence[RolloutRequest],
-               drafts: Sequence[Sequence[int]]) -> Checked:
+               drafts: Sequence[Sequence[int]]) -> Verified:
         """One draft (possibly empty) per request -> what the engine continues from."""
 
 
-def _checked(requests, drafts, result: Verification, start: float) -> Checked:
-    return Checked(apply_verification(requests, result, drafts), result.accepted.tolist(),
-                   time.perf_counter() - start)
+def verify_drafts(verifier: Verifier | None, requests: Sequence[RolloutRequest],
+                  drafts: Sequence[Sequence[int]]) -> Verified:
+    """The verify stage: the requests with a (non-empty) draft go to ``verifier``; the others go
+    to the engine unchanged, which draws the same first token the verifier would have."""
+    drafted = [i for i, draft in enumerate(drafts) if draft]
+    out = Verified(list(requests), [0] * len(requests), [0] * len(requests))
+    if not drafted:
+        return out
+    checked = verifier.verify([requests[i] for i in drafted], [list(drafts[i]) for i in drafted])
+    out.seconds = checked.seconds
+    for i, request, n, accepted in zip(drafted, checked.requests, checked.drafted,
+                                       checked.accepted):
+        out.requests[i], out.drafted[i], out.accepted[i] = request, n, accepted
+    return out
 
 
-class MegatronDraftVerifier:
-    """Keyed verification by this rank's Megatron model piece (any TP/PP; collective)."""
-
-    def __init__(self, verifier, params: SamplingParams, micro_batch_size: int | None):
-        self.verifier, self.params, self.micro_batch_size = verifier, params, micro_batch_size
-
-    def verify(self, requests, drafts) -> Checked:
-        start = time.perf_counter()
-        drafts = [list(d) for d in drafts]
-        result = self.verifier.verify(list(requests), drafts, self.params,
-                                      micro_batch_size=self.micro_batch_size)
-        return _checked(requests, drafts, result, start)
+def verified(requests: Sequence[RolloutRequest], drafts: Sequence[Sequence[int]],
+             result: Verification, start: float) -> Verified:
+    """A rule's verification of ``drafts`` (begun at ``start``, ``time.perf_counter``) ->
+    ``Verified``."""
+    return Verified(apply_verification(requests, result, drafts), [len(d) for d in drafts],
+                    result.accepted.tolist(), time.perf_counter() - start)
 
 
 class EngineVerifier:
@@ -73,12 +89,12 @@ class EngineVerifier:
                  lenience: float = 1.0):
         self.engine, self.params, self.rule, self.lenience = engine, params, rule, lenience
 
-    def verify(self, requests, drafts) -> Checked:
+    def verify(self, requests, drafts) -> Verified:
         start = time.perf_counter()
         drafts = [list(d) for d in drafts]
         result = self.engine.verify(list(requests), drafts, self.params, rule=self.rule,
                                     lenience=self.lenience)
-        return _checked(requests, drafts, result, start)
+        return verified(requests, drafts, result, start)
 
 
 class InRolloutVerifier:
@@ -91,13 +107,13 @@ class InRolloutVerifier:
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
 
-    def verify(self, requests, drafts) -> Checked:
+    def verify(self, requests, drafts) -> Verified:
         carried = []
         for request, draft in zip(requests, drafts):
             draft = request_draft(request, draft, self.vocab_size)
             carried.append(replace(request, draft=list(request.response_prefix) + draft
                                    if draft else []))
-        return Checked(carried, [None] * len(carried), 0.0)
+        return Verified(carried, [len(d) for d in drafts], [None] * len(carried))
 
 
 def accepted_in_rollout(request: RolloutRequest, tokens: Sequence[int]) -> int:
@@ -124,8 +140,7 @@ def build_verifier(cfg, params: SamplingParams, *, model=None, spec=None,
     if a.rule == "keyed" and s.verifier == "megatron":
         from megatron_bubblespec.spec.megatron_verifier import MegatronVerifier
 
-        return MegatronDraftVerifier(MegatronVerifier(model, spec), params,
-                                     cfg.train.micro_batch_size)
+        return MegatronVerifier(model, spec, params, cfg.train.micro_batch_size)
     if engine is None:
         raise ValueError(f"spec.verifier={s.verifier!r} with ablation.rule={a.rule!r} verifies in the "
                          "rollout engine, and this rank has none; use spec.verifier=megatron with "

@@ -31,7 +31,7 @@ bench`` does):
 * BubbleSpec on: idle engines draft the next step's samples (``sim.drafting``, at most
   ``min(spec.draft_in_flight, C)`` drafts in flight), with
   ``draft_horizon`` H > 1 those of the H - 1 steps after it too, continuing the drafts an earlier
-  bubble left short (``_draft_ahead``); at the step a
+  bubble left short (``sim.drafting.draft_ahead``); at the step a
   sample with a draft of ``d`` tokens keeps an accepted prefix ``a = min(G, d)`` with ``G``
   geometric (every draft token is accepted with probability ``accept_prob``, independently), plus
   the verifier's correction (or bonus) token, so its rollout starts from ``min(a + 1, n)`` known
@@ -68,7 +68,7 @@ import numpy as np
 from scipy.stats import norm
 
 from megatron_bubblespec.config.schema import DRAFT_ORDERS
-from megatron_bubblespec.measure.sim.drafting import draft_in_bubble
+from megatron_bubblespec.measure.sim.drafting import draft_ahead
 
 
 @dataclass(frozen=True)
@@ -369,51 +369,6 @@ def _speed(rng: np.random.Generator, ranks: int, jitter: float) -> np.ndarray:
     return np.exp(jitter * rng.standard_normal(ranks) - jitter ** 2 / 2)
 
 
-def drafting_order(drafted: np.ndarray, engines: int, order: str) -> np.ndarray:
-    """Flat indices into one step's (R, B) samples in the order a bubble claims them
-    (``spec.queue``): round-robin over the ``R x engines`` engines (engine ``e`` of a replica
-    owns its samples ``e, e + engines, ...``); with ``stragglers`` the samples with a partial
-    draft first, longest first (stable)."""
-    replicas, samples = drafted.shape
-    r, b = np.meshgrid(np.arange(replicas), np.arange(samples), indexing="ij")
-    flat = np.lexsort(((b % engines).ravel(), r.ravel(), (b // engines).ravel()))
-    if order == "stragglers":
-        flat = flat[np.argsort(-drafted.ravel()[flat], kind="stable")]
-    return flat
-
-
-def _draft_ahead(setting: Setting, engine, pending: dict[int, np.ndarray], all_lengths,
-                 step: int, arrive: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
-    """Step ``step``'s bubble drafts steps step+1 .. step+H (``Setting.draft_horizon``): every
-    sample whose draft is still short of its length (the response under the current policy, cut
-    at the budget) continues from where an earlier bubble left it, next step first, within a step
-    in ``Setting.draft_order``. Updates ``pending``; returns drafting and overshoot seconds per
-    engine (``arrive`` is per engine). A draft's age does not change its acceptance here (one
-    ``accept_prob`` for all)."""
-    targets = [s for s in range(step + 1, step + 1 + setting.draft_horizon)
-               if s < len(all_lengths)]
-    if not targets:
-        return np.zeros(len(arrive)), np.zeros(len(arrive))
-    shape = all_lengths[0].shape
-    per_step = int(np.prod(shape))
-    done = np.concatenate([pending.get(s, np.zeros(shape, dtype=np.int64)).reshape(-1)
-                           for s in targets])
-    full = np.concatenate([np.minimum(all_lengths[s], budget).reshape(-1) for s in targets])
-    ordered = np.concatenate([
-        i * per_step + drafting_order(done[i * per_step:(i + 1) * per_step].reshape(shape),
-                                      setting.engines_per_replica, setting.draft_order)
-        for i in range(len(targets))])
-    todo = ordered[done[ordered] < full[ordered]]
-    concurrency = min(setting.draft_concurrency, setting.kv_slots or setting.draft_concurrency)
-    outcome = draft_in_bubble(arrive, full[todo] - done[todo], engine, setting.prompt_len,
-                              concurrency=concurrency, chunk=setting.draft_chunk,
-                              prefill_budget=setting.draft_prefill_tokens)
-    done[todo] += outcome.tokens
-    for s, drafted in zip(targets, done.reshape(len(targets), *shape)):
-        pending[s] = drafted
-    return outcome.drafting_s, outcome.overshoot_s
-
-
 def engine_costs(setting: Setting, costs: StepCosts) -> EngineCosts:
     """The measured engine's costs at the setting's rollout TP: x ``(r0 / r) ^ alpha``."""
     return costs.engine.scaled((costs.engine_tp / setting.engine_tp) ** setting.tp_alpha)
@@ -435,7 +390,7 @@ def simulate(setting: Setting, costs: StepCosts, lengths: LengthModel | None = N
     of drawing them from ``lengths`` (then ``steps`` is its first dimension).
     """
     rng = np.random.default_rng(seed)
-    R, B, P = setting.ranks, setting.samples_per_rank, setting.prompt_len
+    R, B = setting.ranks, setting.samples_per_rank
     if measured_lengths is not None:
         all_lengths = np.asarray(measured_lengths, dtype=np.int64)
         if all_lengths.ndim != 3 or all_lengths.shape[1:] != (R, B):
@@ -445,56 +400,64 @@ def simulate(setting: Setting, costs: StepCosts, lengths: LengthModel | None = N
         if lengths is None:
             raise ValueError("simulate needs a length model or measured lengths")
         all_lengths = lengths.sample(rng, (steps, R, B), setting.max_new_tokens)
+    trace = StepTrace()
+    pending: dict[int, np.ndarray] = {}     # step -> (R, B) drafted tokens of its samples so far
+    for step in range(len(all_lengths)):
+        _simulate_step(setting, costs, rng, all_lengths, step, pending, trace)
+    return {**summarize(trace, R * setting.engines_per_replica),
+            "trace": {k: [float(x) for x in v] for k, v in vars(trace).items()}}
+
+
+def _simulate_step(setting: Setting, costs: StepCosts, rng: np.random.Generator,
+                   all_lengths: np.ndarray, step: int, pending: dict[int, np.ndarray],
+                   trace: StepTrace) -> None:
+    """One paired step (off, then on) of response lengths ``all_lengths[step]`` -> ``trace``;
+    the on run verifies ``pending``'s drafts of the step and drafts the coming steps'."""
+    R, B, P = setting.ranks, setting.samples_per_rank, setting.prompt_len
     E, C = setting.engines_per_replica, setting.kv_slots
     engine = engine_costs(setting, costs)
     budget = min(setting.max_draft_tokens, setting.max_new_tokens)
-    drafting = setting.spec and budget > 0
-    trace = StepTrace()
-    pending: dict[int, np.ndarray] = {}     # step -> (R, B) drafted tokens of its samples so far
-    for step, n in enumerate(all_lengths):
-        # BubbleSpec off: every token decoded
-        n_e = per_engine(n, E)
-        none = np.zeros_like(n_e)
-        roll_off = engine.rollout(n_e - 1, none, P, C) * _speed(rng, R * E, setting.jitter)
-        t_off = roll_off.max()
-        train = costs.train_token_s * (n + P).sum(axis=-1).max()
-        # BubbleSpec on: verify the drafts made in earlier bubbles, then roll out
-        verified = pending.pop(step, np.zeros((R, B), dtype=np.int64))
-        accepted = accepted_prefix(rng, verified, setting.accept_prob)
-        known = np.where(verified > 0, np.minimum(accepted + 1, n), 0)
-        decode_on = np.maximum(n - known - 1, 0)
-        plain_on = decode_on
-        if setting.continuation_k:
-            decode_on = continued_decode_steps(setting, decode_on, verified, known, n)
-        verify = np.where((verified > 0).any(axis=-1), costs.verify_s + costs.verify_token_s
-                          * np.where(verified > 0, P + verified, 0).sum(axis=-1), 0.0)
-        decode_e = per_engine(decode_on, E)
-        roll_on = (engine.rollout(decode_e, per_engine(known, E), P, C)
-                   * _speed(rng, R * E, setting.jitter))
-        arrive = np.repeat(verify, E) + roll_on
-        close = arrive.max()
-        drafting_s = overshoot = np.zeros(R * E)
-        if drafting:
-            drafting_s, overshoot = _draft_ahead(setting, engine, pending, all_lengths, step,
-                                                 arrive, budget)
-        trace.rollout_off.append(t_off)
-        trace.rollout_on.append(roll_on.max())
-        trace.engine_tokens.append((n_e + P).sum(axis=-1).max())
-        trace.idle_off.append((t_off - roll_off).sum())
-        trace.idle_on.append((close - arrive + overshoot).sum())   # idle as an engine sees it
-        trace.verify_on.append(verify.max())
-        trace.overshoot_on.append(overshoot.max())
-        trace.drafting_on.append(drafting_s.sum())
-        trace.step_off.append(t_off + train + costs.reshard_s)
-        trace.step_on.append(close + overshoot.max() + train + costs.reshard_s)
-        trace.decode_off.append((n - 1).sum())
-        trace.decode_on.append(decode_on.sum())
-        trace.engine_off.append(makespan_steps(n_e - 1, C).max() + 1)
-        trace.engine_on.append(makespan_steps(decode_e, C).max() + 1)
-        trace.response_tokens.append(n.sum())
-        trace.continuation_tokens.append((plain_on - decode_on).sum())
-        trace.drafted_samples.append((verified > 0).sum())
-        trace.drafted_tokens.append(verified.sum())
-        trace.accepted_tokens.append(accepted.sum())
-    return {**summarize(trace, R * E), "trace": {k: [float(x) for x in v]
-                                                  for k, v in vars(trace).items()}}
+    n = all_lengths[step]
+    # BubbleSpec off: every token decoded
+    n_e = per_engine(n, E)
+    roll_off = engine.rollout(n_e - 1, np.zeros_like(n_e), P, C) * _speed(rng, R * E,
+                                                                       setting.jitter)
+    t_off = roll_off.max()
+    train = costs.train_token_s * (n + P).sum(axis=-1).max()
+    # BubbleSpec on: verify the drafts made in earlier bubbles, then roll out
+    verified = pending.pop(step, np.zeros((R, B), dtype=np.int64))
+    accepted = accepted_prefix(rng, verified, setting.accept_prob)
+    known = np.where(verified > 0, np.minimum(accepted + 1, n), 0)
+    plain_on = np.maximum(n - known - 1, 0)
+    decode_on = (continued_decode_steps(setting, plain_on, verified, known, n)
+                 if setting.continuation_k else plain_on)
+    verify = np.where((verified > 0).any(axis=-1), costs.verify_s + costs.verify_token_s
+                      * np.where(verified > 0, P + verified, 0).sum(axis=-1), 0.0)
+    decode_e = per_engine(decode_on, E)
+    roll_on = (engine.rollout(decode_e, per_engine(known, E), P, C)
+               * _speed(rng, R * E, setting.jitter))
+    arrive = np.repeat(verify, E) + roll_on
+    close = arrive.max()
+    drafting_s = overshoot = np.zeros(R * E)
+    if setting.spec and budget > 0:
+        drafting_s, overshoot = draft_ahead(setting, engine, pending, all_lengths, step,
+                                            arrive, budget)
+    trace.rollout_off.append(t_off)
+    trace.rollout_on.append(roll_on.max())
+    trace.engine_tokens.append((n_e + P).sum(axis=-1).max())
+    trace.idle_off.append((t_off - roll_off).sum())
+    trace.idle_on.append((close - arrive + overshoot).sum())   # idle as an engine sees it
+    trace.verify_on.append(verify.max())
+    trace.overshoot_on.append(overshoot.max())
+    trace.drafting_on.append(drafting_s.sum())
+    trace.step_off.append(t_off + train + costs.reshard_s)
+    trace.step_on.append(close + overshoot.max() + train + costs.reshard_s)
+    trace.decode_off.append((n - 1).sum())
+    trace.decode_on.append(decode_on.sum())
+    trace.engine_off.append(makespan_steps(n_e - 1, C).max() + 1)
+    trace.engine_on.append(makespan_steps(decode_e, C).max() + 1)
+    trace.response_tokens.append(n.sum())
+    trace.continuation_tokens.append((plain_on - decode_on).sum())
+    trace.drafted_samples.append((verified > 0).sum())
+    trace.drafted_tokens.append(verified.sum())
+    trace.accepted_tokens.append(accepted.sum())
