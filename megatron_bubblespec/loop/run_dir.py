@@ -74,8 +74,12 @@ class RunDir:
     def heartbeat(self) -> Path:
         return self.path / "heartbeat"
 
+    @property
+    def logs(self) -> Path:
+        return self.path / LOG_DIR
+
     def rank_log(self, rank: int) -> Path:
-        return self.path / LOG_DIR / f"rank{rank}.log"
+        return self.logs / f"rank{rank}.log"
 
     # ------------------------------------------------------------------------------- config
 

@@ -19,43 +19,26 @@ import os
 import sys
 from pathlib import Path
 
-from megatron_bubblespec.config import Config, to_yaml
+from megatron_bubblespec.config import Config
 from megatron_bubblespec.distributed import destroy_distributed
 from megatron_bubblespec.distributed.launch import RankFailure, launch_local
-from megatron_bubblespec.logs import LOG_DIR, route_third_party_output, tail
-from megatron_bubblespec.loop.checkpoint import (checkpoint_root, complete_checkpoints,
-                                                  load_checkpoint_into, resolve_resume,
-                                                  save_checkpoint)
+from megatron_bubblespec.logs import route_third_party_output, tail
+from megatron_bubblespec.loop.checkpoint import (complete_checkpoints, load_checkpoint_into,
+                                                  resolve_resume, save_checkpoint)
 from megatron_bubblespec.loop.heartbeat import (EXIT_PREEMPTED, STOP_SIGNALS, Heartbeat,
                                                  PreemptionFlag, lost_work, read_heartbeat)
-from megatron_bubblespec.loop.replica import build_replica
+from megatron_bubblespec.loop.replica import Replica, build_replica
+from megatron_bubblespec.loop.run_dir import RunDir
+from megatron_bubblespec.loop.run_log import RunLog
 from megatron_bubblespec.loop.step import gather_step, run_step
-from megatron_bubblespec.metrics import (MetricsWriter, RunProgress, aggregate_step, plot_run,
-                                         print_summary, read_metrics, to_json)
-from megatron_bubblespec.metrics.rollouts import append_rollouts, read_rollouts, write_rollouts
 from megatron_bubblespec.rollout.vllm_engine import BATCH_INVARIANT_ENV
 from megatron_bubblespec.train.checkpoint import check_checkpointable
 from megatron_bubblespec.train.export import export_final
 
 
 def run_dir(cfg: Config) -> Path:
-    return Path(cfg.run.output_dir) / cfg.run.name
-
-
-def _history(out_dir: Path, start_step: int) -> tuple[list[dict], list[dict]]:
-    """The records and rollouts of steps < ``start_step`` from the run directory; the files are
-    cut back to them (a resumed run rewrites the steps after its checkpoint)."""
-    if start_step == 0:
-        write_rollouts(out_dir, [])
-        (out_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run starts a fresh record
-        return [], []
-    has_metrics = (out_dir / "metrics.jsonl").is_file()
-    records = [r for r in read_metrics(out_dir) if r["step"] < start_step] if has_metrics else []
-    rollouts = read_rollouts(out_dir, before_step=start_step)
-    with open(out_dir / "metrics.jsonl", "w") as f:
-        f.writelines(to_json(r) + "\n" for r in records)
-    write_rollouts(out_dir, rollouts)
-    return records, rollouts
+    """The run's directory (``RunDir.of(cfg).path``)."""
+    return RunDir.of(cfg).path
 
 
 def _preempted(flag: PreemptionFlag) -> bool:
@@ -75,88 +58,31 @@ def train_rank(cfg: Config, return_weights: bool = False) -> dict | None:
     checkpoint when a preemption signal arrives."""
     import torch.distributed as dist
 
-    # vLLM reads its log level when first imported (in build_replica): keep the console for the
-    # progress display unless the user asked for vLLM's own logs.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    if cfg.rollout.batch_invariant:   # read when vLLM's kernels are imported
-        os.environ[BATCH_INVARIANT_ENV] = "1"     # (vllm_engine.check_batch_invariance)
-    route_third_party_output(run_dir(cfg))
-    out_dir = run_dir(cfg)
+    run = RunDir.of(cfg)
+    _prepare_process(cfg, run)
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
-    heartbeat = Heartbeat(out_dir / "heartbeat", rank, cfg.run.stall_timeout_s)
-    ckpt_root = checkpoint_root(cfg, out_dir)
+    heartbeat = Heartbeat(run.heartbeat, rank, cfg.run.stall_timeout_s)
     flag = PreemptionFlag(
         cfg.run.signal_grace_s, where=heartbeat.describe, limit_s=cfg.run.checkpoint_grace_s,
-        heartbeat=heartbeat,
-        lost=lambda: lost_work(heartbeat.step, heartbeat.stage, complete_checkpoints(ckpt_root)),
+        heartbeat=heartbeat, lost=lambda: lost_work(heartbeat.step, heartbeat.stage,
+                                                    complete_checkpoints(run.checkpoints)),
     ).install()
     heartbeat.beat(-1, "build")
     replica = build_replica(cfg)
     replica.heartbeat = heartbeat
-    rank0 = dist.get_rank() == 0
-    checkpointing = cfg.run.checkpoint_every > 0 or cfg.run.resume != "none"
-    if checkpointing:
+    if cfg.run.checkpoint_every > 0 or cfg.run.resume != "none":
         check_checkpointable(replica.trainer)
-    start_step = 0
-    resume_from = resolve_resume(cfg, out_dir) if rank0 else None
-    box = [str(resume_from) if resume_from else None]
-    dist.broadcast_object_list(box, src=0)
-    if box[0]:
-        heartbeat.beat(-1, "resume")
-        start_step = load_checkpoint_into(replica, Path(box[0]))
-        if rank0:
-            print(f"resumed from {box[0]} at step {start_step}", flush=True)
-    records, rollouts = [], []
-    writer = progress = None
-    if rank0:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.yaml").write_text(to_yaml(cfg))
-        records, rollouts = _history(out_dir, start_step)
-        writer = MetricsWriter(out_dir, tensorboard=cfg.logging.tensorboard)
-        progress = RunProgress(cfg.run.steps) if cfg.logging.progress else None
-        if progress:
-            progress.__enter__()
-    preempted = False
+    start_step = _resume(replica, run)
+    log = RunLog(cfg, run, start_step) if dist.get_rank() == 0 else None
     try:
-        for step in range(start_step, cfg.run.steps):
-            outputs = gather_step(replica, run_step(replica, step))
-            heartbeat.beat(step, "log")
-            if rank0:
-                record = aggregate_step(step, [o.rank_metrics for o in outputs])
-                record.update(outputs[0].global_metrics)
-                records.append(record)
-                writer.write(record)
-                step_rollouts = {g: t for o in outputs for g, t in o.rollouts.items()}
-                rollouts.append(step_rollouts)
-                append_rollouts(out_dir, step, step_rollouts)
-                if progress:
-                    progress.update(step, record)
-            done = step + 1
-            preempted = _preempted(flag) and done < cfg.run.steps
-            every = cfg.run.checkpoint_every
-            if preempted or (every and (done % every == 0 or done == cfg.run.steps)):
-                heartbeat.beat(step, "checkpoint")
-                saved = save_checkpoint(replica, ckpt_root, done, cfg.run.keep_checkpoints)
-                if preempted:
-                    flag.saved(saved)
-                if rank0 and preempted:
-                    print(f"preempted (signal {flag.signal}): checkpoint {saved} written after "
-                          f"step {step}; resume with run.resume=auto", flush=True)
-            if preempted:
-                break
+        preempted = _run_steps(replica, run, start_step, flag, log)
         heartbeat.beat(cfg.run.steps, "export")
-        weights = None if preempted else export_final(replica, out_dir / "final")
+        weights = None if preempted else export_final(replica, run.final)
     finally:
-        if progress:
-            progress.__exit__(None, None, None)
-        if writer:
-            writer.close()
-    if rank0 and not preempted:
-        print_summary(records)
-        if cfg.logging.plot:
-            plot_run(records, out_dir / "bubblespec.png")
-        print(f"run directory: {out_dir} (metrics.jsonl, rollouts.jsonl, final/, tensorboard/, "
-              "bubblespec.png)")
+        if log:
+            log.close()
+    if log and not preempted:
+        log.summarize()
     heartbeat.beat(cfg.run.steps, "shutdown")
     _shutdown(replica)
     heartbeat.beat(cfg.run.steps, "done")
@@ -164,10 +90,63 @@ def train_rank(cfg: Config, return_weights: bool = False) -> dict | None:
     flag.uninstall()
     if preempted:
         sys.exit(EXIT_PREEMPTED)
-    if not rank0:
+    if log is None:
         return None
-    return {"records": records, "rollouts": rollouts,
+    return {"records": log.records, "rollouts": log.rollouts,
             "weights": weights if return_weights else None}
+
+
+def _prepare_process(cfg: Config, run: RunDir) -> None:
+    """The environment the libraries read when first imported, and where their output goes."""
+    # vLLM reads its log level when first imported (in build_replica): keep the console for the
+    # progress display unless the user asked for vLLM's own logs.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if cfg.rollout.batch_invariant:   # read when vLLM's kernels are imported
+        os.environ[BATCH_INVARIANT_ENV] = "1"     # (vllm_engine.check_batch_invariance)
+    route_third_party_output(run.path)
+
+
+def _resume(replica: Replica, run: RunDir) -> int:
+    """The step to start at: 0, or that of the checkpoint ``run.resume`` names (rank 0 finds it,
+    every rank loads it)."""
+    import torch.distributed as dist
+
+    rank0 = dist.get_rank() == 0
+    found = resolve_resume(replica.cfg, run.path) if rank0 else None
+    box = [str(found) if found else None]
+    dist.broadcast_object_list(box, src=0)
+    if not box[0]:
+        return 0
+    replica.beat(-1, "resume")
+    start_step = load_checkpoint_into(replica, Path(box[0]))
+    if rank0:
+        print(f"resumed from {box[0]} at step {start_step}", flush=True)
+    return start_step
+
+
+def _run_steps(replica: Replica, run: RunDir, start_step: int, flag: PreemptionFlag,
+               log: RunLog | None) -> bool:
+    """Steps ``start_step`` .. run.steps - 1, each logged (rank 0) and checkpointed when due;
+    True when a preemption signal stopped the run early (its checkpoint written)."""
+    cfg = replica.cfg
+    for step in range(start_step, cfg.run.steps):
+        outputs = gather_step(replica, run_step(replica, step))
+        replica.beat(step, "log")
+        if log:
+            log.log_step(step, outputs)
+        done = step + 1
+        preempted = _preempted(flag) and done < cfg.run.steps
+        every = cfg.run.checkpoint_every
+        if preempted or (every and (done % every == 0 or done == cfg.run.steps)):
+            replica.beat(step, "checkpoint")
+            saved = save_checkpoint(replica, run.checkpoints, done, cfg.run.keep_checkpoints)
+            if preempted:
+                flag.saved(saved)
+                if log:
+                    print(f"preempted (signal {flag.signal}): checkpoint {saved} written after "
+                          f"step {step}; resume with run.resume=auto", flush=True)
+                return True
+    return False
 
 
 def _shutdown(replica) -> None:
@@ -204,17 +183,21 @@ def train(cfg: Config, return_weights: bool = False) -> dict | None:
     except RankFailure as failure:
         if failure.exit_code == EXIT_PREEMPTED:
             sys.exit(EXIT_PREEMPTED)
-        beat = read_heartbeat(run_dir(cfg) / "heartbeat", failure.rank)
-        where = (f" during stage {beat['stage']!r} of step {beat['step']}" if beat
-                 else " before it started")
-        if failure.exit_code in [128 + s for s in STOP_SIGNALS]:   # its own message said why
-            raise RankFailure(f"{failure}: it ended itself{where} after a stop signal, without a "
-                              "checkpoint (see its message above)", failure.rank,
-                              failure.exit_code, failure.signal_name) from None
-        message = (f"{failure}; rank {failure.rank} was last seen{where} (heartbeat: "
-                   f"{run_dir(cfg) / 'heartbeat'})")
-        log = run_dir(cfg) / LOG_DIR / f"rank{failure.rank}.log"   # its native output too
-        if lines := tail(log):
-            message += f"; the end of its log {log}:" + "".join(f"\n    {x}" for x in lines)
-        raise RankFailure(message, failure.rank, failure.exit_code,
-                          failure.signal_name) from None
+        raise _where_it_died(failure, RunDir.of(cfg)) from None
+
+
+def _where_it_died(failure: RankFailure, run: RunDir) -> RankFailure:
+    """``failure`` with the step and stage its rank was last seen in and the end of its log."""
+    beat = read_heartbeat(run.heartbeat, failure.rank)
+    where = (f" during stage {beat['stage']!r} of step {beat['step']}" if beat
+             else " before it started")
+    if failure.exit_code in [128 + s for s in STOP_SIGNALS]:   # its own message said why
+        return RankFailure(f"{failure}: it ended itself{where} after a stop signal, without a "
+                           "checkpoint (see its message above)", failure.rank,
+                           failure.exit_code, failure.signal_name)
+    message = (f"{failure}; rank {failure.rank} was last seen{where} (heartbeat: "
+               f"{run.heartbeat})")
+    log = run.rank_log(failure.rank)   # its native output too
+    if lines := tail(log):
+        message += f"; the end of its log {log}:" + "".join(f"\n    {x}" for x in lines)
+    return RankFailure(message, failure.rank, failure.exit_code, failure.signal_name)

@@ -1,4 +1,4 @@
-"""Metric declarations: name -> (reduction over engines, run-level reduction, format, label, header).
+"""Metric declarations: name -> (reduction over engines, run-level value, format, label, header).
 
 Every key of a step record is declared here once. The producers (``loop.step``, ``spec.bubble``,
 the trainer) emit the names as strings; step aggregation (``metrics.aggregate``), the progress
