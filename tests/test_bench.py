@@ -34,9 +34,14 @@ KEYS = RATIOS + ("token_mismatch", "token_mismatch_samples", "lr", "policy_drift
 STEADY_RATIOS = ("decode_steps_ratio", "engine_steps_ratio", "throughput_ratio",
                  "throughput_ratio_with_verify", "verify_overhead_frac", "throughput_vs_plain",
                  "throughput_off_vs_plain", "accept_rate", "draft_coverage")
-# The fixture trains twice and replays the off run with plain vLLM (about 7 minutes on 2 busy
-# cores): whichever of its tests runs first pays for it.
-SLOW = pytest.mark.timeout(1200)
+
+
+# The fixture trains twice and replays the off run with plain vLLM (minutes): whichever of its
+# tests runs first pays for it.
+def SLOW(test):
+    return pytest.mark.slow(pytest.mark.timeout(1200)(test))
+
+
 OVERRIDES = ["run.steps=3", "spec.draft_horizon=1", "logging.progress=false", "logging.plot=false",
              "logging.tensorboard=false"]
 
