@@ -9,6 +9,8 @@ from megatron_bubblespec.sampling.requests import RolloutRequest
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams, perturbed_scores, sample_key
 
+pytestmark = pytest.mark.slow   # both tests start a vLLM engine
+
 NEW_TOKENS = 64
 
 
@@ -61,7 +63,6 @@ def test_reference_and_vllm_draw_the_same_tokens(tiny, vllm_tiny, params):
         assert r.decode_steps == v.decode_steps == NEW_TOKENS - 1
 
 
-@pytest.mark.slow
 def test_smollm2_offline_in_both_engines_matches_transformers_greedy():
     from transformers import AutoModelForCausalLM
 

@@ -1,4 +1,4 @@
-"""Megatron's process world -> vLLM's parallel state, made the same way on every rank, before any engine.
+"""Megatron's process world -> vLLM's parallel state, built alike on every rank before any engine.
 
 vLLM, given an already initialised default process group, builds its world group over ALL ranks of
 that group and calls ``torch.distributed.new_group`` for every rank list of every group it makes;

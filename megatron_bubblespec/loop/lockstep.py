@@ -34,7 +34,10 @@ def _broadcast(command, src: int, group):
 
 
 class LockstepEngine(RolloutEngine):
-    """The leader's view of a tensor-parallel engine: its own shard, mirrored on the followers."""
+    """The leader's view of a tensor-parallel engine: its own shard, mirrored on the followers.
+
+    What every rank must do for itself (weight updates, sleep, waking up) is refused here: the
+    loop calls it on each rank's own shard."""
 
     def __init__(self, shard: RolloutEngine, group):
         self.shard, self.group = shard, group
@@ -43,6 +46,18 @@ class LockstepEngine(RolloutEngine):
     @property
     def weight_version(self) -> int:
         return self.shard.weight_version
+
+    @property
+    def spec_token_cost(self) -> float | None:
+        return self.shard.spec_token_cost
+
+    @property
+    def dtype(self) -> str | None:
+        return self.shard.dtype
+
+    @property
+    def prefix_caching(self) -> bool | None:
+        return self.shard.prefix_caching
 
     def _send(self, *command) -> None:
         _broadcast(command, self.src, self.group)
@@ -67,6 +82,26 @@ class LockstepEngine(RolloutEngine):
     def update_weights(self, named_tensors, version: int | None = None) -> None:
         raise RuntimeError("a tensor-parallel engine is updated shard by shard: every rank of the "
                            "replica loads the full tensors into its own engine shard")
+
+    def verify(self, requests, drafts, params: SamplingParams, rule: str = "keyed",
+               lenience: float = 1.0):
+        raise NotImplementedError("a tensor-parallel engine does not verify drafts before the "
+                                  "rollout: use spec.verifier=megatron, or spec.verifier=engine "
+                                  "on vLLM (each request's draft is verified inside the rollout)")
+
+    def measure_proposal_cost(self, rows: int, verify_steps: int = 8, repeats: int = 2,
+                              seed: int = 0) -> float:
+        raise RuntimeError("a tensor-parallel engine measures its proposal token cost shard by "
+                           "shard, when every rank builds it (build_engine's "
+                           "measure_cost_at_rows)")
+
+    def sleep(self, level: int = 1) -> None:
+        raise RuntimeError("a tensor-parallel engine sleeps shard by shard: call sleep on every "
+                           "rank's own engine shard")
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        raise RuntimeError("a tensor-parallel engine wakes up shard by shard: call wake_up on "
+                           "every rank's own engine shard")
 
     def release(self) -> None:
         """Let the followers leave :func:`follow` (after the step's rollout and bubble)."""

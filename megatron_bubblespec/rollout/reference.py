@@ -3,9 +3,9 @@
 Batched KV-cache decoding in float32 or float64, with the project's keyed sampler at absolute
 response positions. Each ``step`` prefills newly added requests (their first token comes from the
 prefill) and gives every running request one decode forward. With speculative continuation on, a
-running request whose proposal index (``spec.pool``) has a match proposes up to ``spec_k`` tokens, and the same forward
-verifies them with the keyed rule (``spec.verify_keyed``): rejected proposals cost nothing but the
-wasted columns, since the slot's length is simply not advanced past them.
+running request whose proposal index (``spec.pool``) has a match proposes up to ``spec_k`` tokens,
+and the same forward verifies them with the keyed rule (``spec.verify_keyed``): rejected proposals
+cost nothing but the wasted columns, since the slot's length is simply not advanced past them.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ import torch
 
 from megatron_bubblespec.models.architecture import load_checkpoint
 from megatron_bubblespec.rollout.base import RolloutEngine
+from megatron_bubblespec.rollout.reference_verify import verify_drafts
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult, settle_eos
 from megatron_bubblespec.rollout.torch_llama import TorchLlama
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.spec.pool import DEFAULT_SOURCES, Continuation, Siblings, has_sources
-from megatron_bubblespec.spec.verify import (target_probs, verify_keyed, verify_lenient,
-                                             verify_residual)
+from megatron_bubblespec.spec.verify import verify_keyed
 from megatron_bubblespec.tokens import pad_token_rows
 
 
@@ -54,6 +54,9 @@ def _logprobs_of(logits: torch.Tensor, tokens: list[int]) -> list[float]:
 
 
 class ReferenceEngine(RolloutEngine):
+    """The oracle: keyed generation on the plain-torch model, with verification before the
+    rollout (``verify``); no sleep mode, no prefix cache."""
+
     def __init__(self, model_path: str | Path, *, dtype: torch.dtype = torch.float32,
                  max_model_len: int | None = None, speculative_continuation: bool = False,
                  spec_k: int = 4, spec_min_match: int = 2, spec_max_match: int = 8,
@@ -66,12 +69,17 @@ class ReferenceEngine(RolloutEngine):
         self.previous_model = (TorchLlama(spec, tensors, dtype=dtype, max_model_len=max_model_len)
                                if keep_previous_weights else None)
         self.speculative_continuation = speculative_continuation
-        self.spec_k, self.spec_min_match, self.spec_max_match = spec_k, spec_min_match, spec_max_match
+        self.spec_k = spec_k
+        self.spec_min_match, self.spec_max_match = spec_min_match, spec_max_match
         self.proposal_sources = tuple(proposal_sources)
         self.spec_token_cost = spec_token_cost
         self._waiting: list[tuple[RolloutRequest, SamplingParams]] = []
         self._running: dict[str, _Running] = {}
         self._siblings = Siblings(spec_min_match, spec_max_match, self.proposal_sources)
+
+    @property
+    def dtype(self) -> str:
+        return str(self.model.dtype).removeprefix("torch.")
 
     # ------------------------------------------------------------------ protocol
     def add(self, requests: Iterable[RolloutRequest], params: SamplingParams) -> None:
@@ -81,8 +89,8 @@ class ReferenceEngine(RolloutEngine):
                 raise ValueError(f"duplicate request id {request.request_id!r}")
             total = len(request.prompt_token_ids) + request.max_new_tokens
             if total > self.model.max_model_len:
-                raise ValueError(f"request {request.request_id!r}: prompt + max_new_tokens = {total} "
-                                 f"exceeds max_model_len={self.model.max_model_len}")
+                raise ValueError(f"request {request.request_id!r}: prompt + max_new_tokens = "
+                                 f"{total} exceeds max_model_len={self.model.max_model_len}")
             self._waiting.append((request, params))
 
     def has_unfinished(self) -> bool:
@@ -131,56 +139,21 @@ class ReferenceEngine(RolloutEngine):
         self._loaded(version)
 
     # ------------------------------------------------------------------ verification
-    @torch.no_grad()
     def verify(self, requests: list[RolloutRequest], drafts: list[list[int]],
                params: SamplingParams, rule: str = "keyed", lenience: float = 1.0):
-        """One forward over prompt + prefix + draft per request -> ``spec.Verification``.
-
-        ``rule`` keyed is exact and token-identical to plain keyed decoding; residual (exact in
-        distribution only) and lenient (inexact) are for ablations and take the drafts'
-        distributions from ``previous_model``, the policy that drafted them."""
-        eos = [r.eos_token_ids for r in requests]   # each sample settles on its own EOS ids
-        target = self._draft_logits(self.model, requests, drafts)
-        draft_tokens, draft_lens = pad_token_rows(drafts)
-        keys = torch.tensor([r.key for r in requests])
-        starts = torch.tensor([len(r.response_prefix) for r in requests])
-        if rule == "keyed":
-            return verify_keyed(target, draft_tokens, draft_lens, keys, starts, params, eos)
-        if self.previous_model is None:
-            raise ValueError(f"rule {rule!r} needs the drafting policy's distributions: build the "
-                             "engine with keep_previous_weights=True")
-        q = target_probs(self._draft_logits(self.previous_model, requests, drafts)[:, :-1], params)
-        if rule == "residual":
-            return verify_residual(target, q, draft_tokens, draft_lens, keys, starts, params, eos)
-        if rule == "lenient":
-            return verify_lenient(target, q, draft_tokens, draft_lens, keys, starts, params, eos,
-                                  lenience=lenience)
-        raise ValueError(f"unknown verification rule {rule!r}; use keyed, residual or lenient")
-
-    def _draft_logits(self, model: TorchLlama, requests, drafts) -> torch.Tensor:
-        """Logits [B, L + 1, V] of ``model`` at the last prefix position and every draft
-        position (they predict response positions len(prefix) ... len(prefix) + L)."""
-        slots = [model.cache.acquire() for _ in requests]
-        try:
-            rows = [r.prompt_token_ids + r.response_prefix + d for r, d in zip(requests, drafts)]
-            tokens, lengths = pad_token_rows(rows)
-            logits = model.forward(tokens, torch.tensor(slots), torch.zeros_like(lengths), lengths)
-        finally:
-            for slot in slots:
-                model.cache.release(slot)
-        width = max(len(d) for d in drafts) + 1
-        starts = torch.tensor([len(r.prompt_token_ids) + len(r.response_prefix) - 1
-                               for r in requests])
-        index = (starts.view(-1, 1) + torch.arange(width)).clamp(max=tokens.shape[1] - 1)
-        return logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+        """One forward over prompt + prefix + draft per request -> ``spec.Verification``
+        (``reference_verify``; the residual and lenient rules need ``keep_previous_weights``)."""
+        return verify_drafts(self.model, self.previous_model, requests, drafts, params, rule,
+                             lenience)
 
     # ------------------------------------------------------------------ internals
     def _admit(self, request: RolloutRequest, params: SamplingParams) -> _Running:
         state = _Running(request, params, self.model.cache.acquire(), list(request.response_prefix))
-        if self.speculative_continuation and has_sources(self.proposal_sources,
-                                                         request.proposals.drafts, request.proposals.history):
+        proposals = request.proposals
+        if self.speculative_continuation and has_sources(self.proposal_sources, proposals.drafts,
+                                                         proposals.history):
             pool = self._siblings.pool(request.request_id, request.prompt_token_ids,
-                                       request.proposals.drafts, request.proposals.history, request.proposals.own)
+                                       proposals.drafts, proposals.history, proposals.own)
             if pool:
                 state.continuation = Continuation(pool, self.spec_k,
                                                   token_cost=self.spec_token_cost)

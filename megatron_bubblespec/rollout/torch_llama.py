@@ -123,7 +123,8 @@ class TorchLlama:
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor,
                 lengths: torch.Tensor) -> torch.Tensor:
-        """tokens [B, n] (row b valid up to lengths[b]) at positions starts[b] + j -> logits [B, n, V]."""
+        """tokens [B, n] (row b valid up to lengths[b]) at positions starts[b] + j -> logits
+        [B, n, V]."""
         spec = self.spec
         b, n = tokens.shape
         positions = starts.view(-1, 1) + torch.arange(n)

