@@ -35,6 +35,7 @@ from pathlib import Path
 
 from megatron_bubblespec.config import Config, ConfigError
 from megatron_bubblespec.models.architecture import ModelSpec
+from megatron_bubblespec.models.layout import check_expert_layout
 
 CHAT_TASKS = ("arithmetic", "gsm8k", "jsonl")        # data.task values that need a tokenizer
 # Files of a model directory that the ranks read when present (transformers, vLLM), by kind.
@@ -304,6 +305,17 @@ def check_layout(cfg: Config, spec: ModelSpec) -> None:
                 f"parallel.tensor={p.tensor} does not divide the {size} {what} of {where}: every "
                 f"tensor-parallel rank holds the same share. Set parallel.tensor to one of "
                 f"{common} (with parallel.data and parallel.world_size to match)")
+    problems = check_expert_layout(spec, p.tensor, p.expert, p.data)
+    if spec.is_moe and p.tensor > 1 and not p.sequence_parallel:
+        problems.append(f"Megatron trains MoE layers at parallel.tensor={p.tensor} only with "
+                        "parallel.sequence_parallel=true (which needs Transformer Engine or Apex "
+                        "norms: a GPU); set it, or parallel.tensor=1 with parallel.expert")
+    if problems:
+        raise PreflightError(f"{where}: " + "; ".join(problems))
+    if cfg.rollout.engine == "reference" and (spec.qk_norm or spec.is_moe):
+        raise PreflightError(
+            f"rollout.engine=reference runs Llama and Qwen2 layers only; {where} is a "
+            f"{spec.arch} model (q/k norms or experts): use rollout.engine=vllm")
 
 
 def check_world(world_size: int, cfg: Config, launcher: str = "the launcher") -> None:

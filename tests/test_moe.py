@@ -104,3 +104,28 @@ def test_load_balancing_type_is_checked():
 
     with pytest.raises(ValueError, match="sinkhorn"):
         moe_options("sinkhorn", 0.1)
+
+
+def test_preflight_names_the_expert_layout_problems(moe_checkpoint):
+    """``bubblespec train`` checks the expert layout against the model before any rank starts."""
+    from megatron_bubblespec.config import load_config
+    from megatron_bubblespec.preflight import PreflightError, check_layout
+
+    spec = check_checkpoint(moe_checkpoint)
+    base = ["parallel.world_size=4", f"model.path={moe_checkpoint}"]
+    check_layout(load_config("configs/tiny.yaml", [*base, "parallel.data=4",
+                                                   "parallel.expert=4"]), spec)
+    with pytest.raises(PreflightError, match="does not divide the model's 8 experts"):
+        check_layout(load_config("configs/tiny.yaml", [*base, "parallel.world_size=3",
+                                                       "parallel.data=3", "parallel.expert=3",
+                                                       "rollout.prompts_per_step=3"]),
+                     spec)
+    with pytest.raises(PreflightError, match="only with parallel.sequence_parallel=true"):
+        check_layout(load_config("configs/tiny.yaml", [*base, "parallel.tensor=2",
+                                                       "parallel.data=2", "parallel.expert=2"]),
+                     spec)
+    with pytest.raises(PreflightError, match="rollout.engine=reference runs Llama and Qwen2"):
+        check_layout(load_config("configs/tiny.yaml", [*base, "parallel.world_size=1",
+                                                       "parallel.data=1",
+                                                       "rollout.engine=reference"]),
+                     spec)

@@ -20,7 +20,9 @@ pytestmark = pytest.mark.slow   # multi-process or real-model runs: minutes on 2
 SMOLLM2_SPEC = dict(
     arch="llama", vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
     head_dim=64, intermediate_size=1536, rope_theta=100000.0, tie_word_embeddings=True,
-    qkv_bias=False, max_position_embeddings=8192)
+    qkv_bias=False, max_position_embeddings=8192,
+    qk_norm=False, num_experts=0, experts_per_token=0, moe_intermediate_size=0,   # dense Llama
+    norm_topk_prob=True)
 
 
 @pytest.fixture(scope="module")

@@ -614,9 +614,11 @@ def test_only_drafted_requests_are_verified_and_in_rollout_drafts_settle_from_th
     drafts = [(), (3, 4, 5), (), (7, 300)]   # 300 is outside the vocabulary: dropped
 
     class Recording:
+        every_step = False
+
         def verify(self, reqs, given):
             self.seen = [r.request_id for r in reqs], given
-            return Verified(list(reqs), [len(d) for d in given], [2, 0], 0.5)
+            return Verified(list(reqs), [len(d) for d in given], [2, 0][:len(reqs)], 0.5)
 
     recording = Recording()
     out = verify_drafts(recording, requests, drafts)
@@ -624,6 +626,12 @@ def test_only_drafted_requests_are_verified_and_in_rollout_drafts_settle_from_th
     assert out.drafted == [0, 3, 0, 2] and out.accepted == [0, 2, 0, 0] and out.seconds == 0.5
     assert out.requests[0] is requests[0] and out.requests[2] is requests[2]
     assert verify_drafts(None, requests, [()] * 4).requests == requests
+    recording.seen = None
+    assert verify_drafts(recording, requests, [()] * 4).drafted == [0] * 4
+    assert recording.seen is None            # nothing to verify, and no peer waits for it
+    recording.every_step = True              # a collective (expert parallelism): called anyway
+    assert verify_drafts(recording, requests, [()] * 4).seconds == 0.5
+    assert recording.seen == ([], [])
 
     with pytest.warns(RuntimeWarning, match="'s0-3'.*dropped"):
         inside = verify_drafts(InRolloutVerifier(vocab_size=100), requests, drafts)

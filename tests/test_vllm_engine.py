@@ -441,6 +441,27 @@ def test_update_weights_of_a_tied_model_updates_the_lm_head(tmp_path):
 
 
 
+def test_update_weights_of_a_mixture_of_experts_repacks_the_experts(tmp_path):
+    """vLLM's CPU experts keep their weights prepacked; an in-place update must repack the new
+    ones (``rollout.vllm_moe_reload``), or the engine computes with scrambled experts."""
+    from megatron_bubblespec.models.architecture import make_tiny_checkpoint, perturb_checkpoint
+
+    old = make_tiny_checkpoint(tmp_path / "old", "qwen3_moe", vocab_size=256)
+    _, new = load_checkpoint(perturb_checkpoint(old, tmp_path / "new", 0.05, seed=3))
+    request = [RolloutRequest("moe", [5, 6, 7, 8], keys_for(9, 1)[0], 16)]
+    engine = VLLMEngine(old, max_model_len=MAX_MODEL_LEN)
+    before = engine.generate(request, PARAMS["T1"])[0]
+    engine.update_weights(new.items())
+    updated = engine.generate(request, PARAMS["T1"])[0]
+    del engine
+    gc.collect()
+    fresh = VLLMEngine(tmp_path / "new", max_model_len=MAX_MODEL_LEN).generate(request,
+                                                                             PARAMS["T1"])[0]
+    assert max_abs_diff(before.logprobs, fresh.logprobs) > 1e-3   # the update changes the policy
+    assert updated.token_ids == fresh.token_ids
+    assert max_abs_diff(updated.logprobs, fresh.logprobs) <= LOGPROB_TOL_SAME
+
+
 def test_an_engine_whose_process_state_was_torn_down_says_so(checkpoint, prompts):
     """Two in-process engines share vLLM's distributed state; once one is shut down the other
     fails with a message that names the cause, not an assertion deep inside the worker."""

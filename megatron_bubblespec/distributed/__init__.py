@@ -11,6 +11,8 @@ from megatron_bubblespec.distributed.world import (
     destroy_distributed,
     detect_world,
     expert_parallel_max,
+    expert_parallel_peaks,
+    expert_parallel_size,
     init_distributed,
     init_process_group,
     megatron_config_overrides,
@@ -18,6 +20,7 @@ from megatron_bubblespec.distributed.world import (
 
 __all__ = [
     "WorldInfo", "apply_cpu_patches", "apply_no_te_shims", "destroy_distributed", "detect_world",
-    "expert_parallel_max", "init_distributed", "init_process_group", "megatron_config_overrides",
+    "expert_parallel_max", "expert_parallel_peaks", "expert_parallel_size",
+    "init_distributed", "init_process_group", "megatron_config_overrides",
     "megatron_cpu_mode", "device_config_overrides",
 ]

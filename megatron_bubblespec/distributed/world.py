@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -145,19 +146,31 @@ def megatron_config_overrides() -> dict:
     }
 
 
-def expert_parallel_max(value: int) -> int:
-    """The largest ``value`` over this rank's TP x EP group (``value`` itself without expert
-    parallelism). Megatron's allgather token dispatcher gathers every MoE layer's tokens over that
-    group with equal sizes, so its ranks must run the same number of forward passes, each over the
-    same number of tokens: pad micro-batch counts and sequence lengths to this."""
+def expert_parallel_size() -> int:
     from megatron.core import parallel_state
 
-    if parallel_state.get_expert_model_parallel_world_size() == 1:
-        return value
-    peak = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX,
+    return parallel_state.get_expert_model_parallel_world_size()
+
+
+def expert_parallel_peaks(values: Sequence[int]) -> list[int]:
+    """The largest of each of ``values`` over this rank's TP x EP group (``values`` themselves
+    without expert parallelism). Megatron's allgather token dispatcher gathers every MoE layer's
+    tokens over that group with equal sizes, so its ranks must run the same number of forward
+    passes, each over the same number of tokens: pad micro-batch sizes, counts and sequence
+    lengths to these."""
+    from megatron.core import parallel_state
+
+    if expert_parallel_size() == 1:
+        return list(values)
+    peaks = torch.tensor(list(values), dtype=torch.int64)
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX,
                     group=parallel_state.get_expert_tensor_and_model_parallel_group())
-    return int(peak)
+    return peaks.tolist()
+
+
+def expert_parallel_max(value: int) -> int:
+    """The largest ``value`` over this rank's TP x EP group (``expert_parallel_peaks``)."""
+    return expert_parallel_peaks([value])[0]
 
 
 def destroy_distributed() -> None:

@@ -31,11 +31,13 @@ from megatron_bubblespec.models.architecture import ModelSpec, load_checkpoint, 
 from megatron_bubblespec.rollout.factory import build_engine, engine_options
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.spec.bubble import BubbleDrafter
+from megatron_bubblespec.spec.factory import build_verifier
 from megatron_bubblespec.spec.policy import DraftingPolicy
 from megatron_bubblespec.spec.previous_epoch import ResponseMemory
 from megatron_bubblespec.spec.queue import DraftQueue
 from megatron_bubblespec.spec.samples import SampleBook
-from megatron_bubblespec.spec.verifier import Verifier, build_verifier
+from megatron_bubblespec.spec.verifier import Verifier
+from megatron_bubblespec.train.model import moe_options
 
 if TYPE_CHECKING:   # annotations only: these import megatron / the engines when built
     from megatron_bubblespec.loop.heartbeat import Heartbeat
@@ -126,8 +128,9 @@ def build_task(cfg: Config, spec: ModelSpec) -> Task:
 
 
 def model_parallel_options(cfg: Config) -> dict:
-    """TransformerConfig overrides from the config: sequence parallelism, activation recompute."""
-    options = {}
+    """TransformerConfig overrides from the config: sequence parallelism, activation recompute,
+    the MoE router's load-balancing loss (ignored by dense models)."""
+    options = moe_options(cfg.train.moe_load_balancing, cfg.train.moe_aux_loss_coeff)
     if cfg.parallel.sequence_parallel:
         options["sequence_parallel"] = True
     if cfg.train.recompute_activations:
@@ -148,7 +151,7 @@ def build_replica(cfg: Config) -> Replica:
     p = cfg.parallel
     world = init_distributed(p.tensor, p.pipeline, seed=cfg.run.seed,
                              timeout_s=cfg.spec.barrier_timeout_s, context_parallel=p.context,
-                             order=p.order)
+                             order=p.order, expert_parallel=p.expert)
     path = resolve_model(cfg, world.rank)
     spec, tensors = load_checkpoint(path)
     dtype = getattr(torch, cfg.model.dtype)

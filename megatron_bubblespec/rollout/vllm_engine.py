@@ -233,6 +233,10 @@ class VLLMEngine(RolloutEngine):
             kwargs["logits_processors"] = [KeyedLogitsProcessor]
         if speculative_continuation or verify_drafts:
             kwargs["speculative_config"] = _speculative_config(spec_k)
+        if not torch.cuda.is_available():
+            from megatron_bubblespec.rollout import vllm_moe_reload
+
+            vllm_moe_reload.install()   # weight updates of CPU MoE layers repack the experts
         self.llm = LLM(**{**kwargs, **llm_kwargs})
         self._engine = self.llm.llm_engine
         self.max_model_len = self._engine.model_config.max_model_len

@@ -32,13 +32,14 @@ from typing import Sequence
 
 import torch
 
+from megatron_bubblespec.distributed.world import expert_parallel_size
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.sampling.requests import RolloutRequest
 from megatron_bubblespec.spec.validate import request_draft
 from megatron_bubblespec.spec.verifier import Verified, verified
 from megatron_bubblespec.spec.verify import Verification, verify_keyed
 from megatron_bubblespec.tokens import pad_token_rows
-from megatron_bubblespec.train.forward import megatron_forward
+from megatron_bubblespec.train.forward import broadcast_from_last_stage, megatron_forward
 
 PAD_ID = 0
 
@@ -62,6 +63,9 @@ class MegatronVerifier:
                              "on the verifying ranks")
         self.model, self.spec = model, spec
         self.params, self.micro_batch_size = params, micro_batch_size
+        # Under expert parallelism the forward is collective over replicas (the MoE layers'
+        # token gather), so a replica without drafts still runs its part.
+        self.every_step = expert_parallel_size() > 1
 
     def verify(self, requests: Sequence[RolloutRequest],
                drafts: Sequence[Sequence[int]]) -> Verified:
@@ -74,13 +78,14 @@ class MegatronVerifier:
                      drafts: Sequence[Sequence[int]]) -> Verification:
         """One forward over prompt + prefix + draft per request -> the keyed rule's
         ``Verification`` (CPU int64 tensors, identical on every rank of the replica)."""
-        from megatron.core import parallel_state as ps
-
         requests, n = list(requests), len(requests)
         if n != len(drafts):
             raise ValueError(f"{n} requests but {len(drafts)} drafts; pass one draft "
                              "(possibly empty) per request")
         if n == 0:
+            if self.every_step:
+                megatron_forward(self.model, torch.zeros(0, 1, dtype=torch.int64),
+                                 lambda logits, rows: None, self.micro_batch_size)
             empty = torch.zeros(0, dtype=torch.int64)
             return Verification(empty, empty.clone(), torch.zeros(0, dtype=torch.bool))
         batch = _Batch(requests, [request_draft(r, d, self.spec.vocab_size)
@@ -90,14 +95,11 @@ class MegatronVerifier:
         per_mb = megatron_forward(self.model, tokens, self._settle(batch), micro_batch_size=mbs,
                                   logit_positions=batch.positions(tokens.shape[1]))
         device = next(self.model.parameters()).device
-        packed = torch.zeros(3, n, dtype=torch.int64, device=device)
+        packed = None
         if per_mb is not None:   # last pipeline stage
             columns = [sum((list(mb[k]) for mb in per_mb), []) for k in range(3)]
-            packed.copy_(torch.tensor(columns, dtype=torch.int64))
-        if ps.get_pipeline_model_parallel_world_size() > 1:
-            torch.distributed.broadcast(packed, src=ps.get_pipeline_model_parallel_last_rank(),
-                                        group=ps.get_pipeline_model_parallel_group())
-        packed = packed.cpu()
+            packed = torch.tensor(columns, dtype=torch.int64, device=device)
+        packed = broadcast_from_last_stage(packed, (3, n), device, torch.int64).cpu()
         return Verification(accepted=packed[0].clone(), next_token=packed[1].clone(),
                             finished=packed[2].bool())
 

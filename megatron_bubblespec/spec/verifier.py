@@ -1,17 +1,18 @@
 """Verifiers: (requests, drafts) -> ``Verified``: the requests the engine continues from, drafted
 and accepted tokens, seconds.
 
-One interface and one result, chosen once by ``build_verifier``; the loop never branches on the
-rule or the place:
+One interface and one result, chosen once by ``spec.factory.build_verifier``; the loop never
+branches on the rule or the place:
 
-* ``spec.megatron_verifier.MegatronVerifier`` (``spec.verifier: megatron``, the default): the
-  training ranks that already hold the step's weights run one forward over prompt + prefix +
-  draft, keyed argmax per position (vocab-parallel over TP). Every rank of the replica calls it
-  (collective).
+* ``spec.megatron_verifier.MegatronVerifier`` (``spec.verifier: megatron``): the training ranks
+  that already hold the step's weights run one forward over prompt + prefix + draft, keyed argmax
+  per position (vocab-parallel over TP). Every rank of the replica calls it (collective; under
+  expert parallelism every rank of the TP x EP group, drafts or not: ``every_step``).
 * ``EngineVerifier`` (``spec.verifier: engine`` on the reference engine): the rollout engine
   verifies with its own forward before the rollout, with any rule the engine implements (the
   ablation rules, residual and lenient, need the drafting policy's distributions).
-* ``InRolloutVerifier`` (``spec.verifier: engine`` on vLLM): nothing runs before the rollout;
+* ``InRolloutVerifier`` (``spec.verifier: engine`` on vLLM, the default): nothing runs before
+  the rollout;
   each request carries its draft into the engine, which proposes it whole after the prefill and
   verifies it in its keyed spec-decode step (``spec.pool.Continuation``). The prompt is prefilled
   once, the accepted prefix never twice, and the accepted tokens are settled from the responses
@@ -53,6 +54,8 @@ class Verified:
 
 
 class Verifier(Protocol):
+    every_step: bool   # called even when no request has a draft (a collective with its peers)
+
     def verify(self, requests: Sequence[RolloutRequest],
                drafts: Sequence[Sequence[int]]) -> Verified:
         """One draft (possibly empty) per request -> what the engine continues from."""
@@ -64,7 +67,7 @@ def verify_drafts(verifier: Verifier | None, requests: Sequence[RolloutRequest],
     to the engine unchanged, which draws the same first token the verifier would have."""
     drafted = [i for i, draft in enumerate(drafts) if draft]
     out = Verified(list(requests), [0] * len(requests), [0] * len(requests))
-    if not drafted:
+    if not drafted and not (verifier is not None and verifier.every_step):
         return out
     checked = verifier.verify([requests[i] for i in drafted], [list(drafts[i]) for i in drafted])
     out.seconds = checked.seconds
@@ -85,6 +88,8 @@ def verified(requests: Sequence[RolloutRequest], drafts: Sequence[Sequence[int]]
 class EngineVerifier:
     """Verification by the rollout engine's own forward, with any rule the engine implements."""
 
+    every_step = False
+
     def __init__(self, engine, params: SamplingParams, rule: str = "keyed",
                  lenience: float = 1.0):
         self.engine, self.params, self.rule, self.lenience = engine, params, rule, lenience
@@ -103,6 +108,8 @@ class InRolloutVerifier:
     A draft holding an id outside the vocabulary is dropped and one longer than the budget is cut
     (``spec.validate``, with a warning), as the Megatron verifier does. The draft is stored in
     response positions (after the request's fixed prefix), which is how the engine compares it."""
+
+    every_step = False
 
     def __init__(self, vocab_size: int):
         self.vocab_size = vocab_size
@@ -125,27 +132,6 @@ def accepted_in_rollout(request: RolloutRequest, tokens: Sequence[int]) -> int:
             break
         n += 1
     return max(0, n - len(request.response_prefix))
-
-
-def build_verifier(cfg, params: SamplingParams, *, model=None, spec=None,
-                   engine=None) -> Verifier | None:
-    """The run's verifier: Megatron's (``model``, ``spec``) for the keyed rule with
-    ``spec.verifier: megatron``, else the engine's (inside the rollout on vLLM, ``engine`` before
-    it on the reference engine); None when BubbleSpec is off."""
-    s, a = cfg.spec, cfg.ablation
-    if not s.enabled:
-        return None
-    if s.verifier == "engine" and cfg.rollout.engine == "vllm":
-        return InRolloutVerifier(spec.vocab_size)
-    if a.rule == "keyed" and s.verifier == "megatron":
-        from megatron_bubblespec.spec.megatron_verifier import MegatronVerifier
-
-        return MegatronVerifier(model, spec, params, cfg.train.micro_batch_size)
-    if engine is None:
-        raise ValueError(f"spec.verifier={s.verifier!r} with ablation.rule={a.rule!r} verifies in the "
-                         "rollout engine, and this rank has none; use spec.verifier=megatron with "
-                         "ablation.rule=keyed, or parallel.tensor=parallel.pipeline=1")
-    return EngineVerifier(engine, params, rule=a.rule, lenience=a.lenience)
 
 
 def apply_verification(requests: Sequence[RolloutRequest], result: Verification,

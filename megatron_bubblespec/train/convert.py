@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import re
+import warnings
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -47,9 +48,12 @@ def bridge_name(name: str, spec: ModelSpec) -> str:
 @functools.lru_cache(maxsize=16)
 def _bridge(spec: ModelSpec, padded_vocab: int):
     """mbridge's Bridge of the family, padding the vocabulary to ``padded_vocab`` rows."""
-    from mbridge import AutoBridge
-    from mbridge.core.parallel_states import ParallelStates
     from transformers import AutoConfig
+
+    with warnings.catch_warnings():   # its vision models warn about Apex, which no map here uses
+        warnings.filterwarnings("ignore", message="Apex is not installed")
+        from mbridge import AutoBridge
+        from mbridge.core.parallel_states import ParallelStates
 
     moe = dict(num_experts=spec.num_experts, num_experts_per_tok=spec.experts_per_token,
                moe_intermediate_size=spec.moe_intermediate_size,

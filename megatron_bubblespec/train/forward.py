@@ -38,15 +38,17 @@ def megatron_forward(model, tokens: torch.Tensor, on_logits: Callable[[torch.Ten
                      logit_positions: Callable[[slice], torch.Tensor] | None = None) -> list | None:
     """Run ``model`` over ``tokens`` [B, S]; returns [on_logits(logits_mb, rows_mb), ...] on the
     last pipeline stage, None elsewhere; with ``logit_positions``, ``logits_mb`` holds only the
-    positions it names for the micro-batch."""
+    positions it names for the micro-batch. Under expert parallelism the call is collective over
+    the TP x EP group (``align_over_experts``): a rank with fewer rows or shorter ones runs padding
+    micro-batches, whose results are dropped."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     batch, seq = tokens.shape
-    mbs = micro_batch_size or batch
-    slices = [slice(i, min(i + mbs, batch)) for i in range(0, batch, mbs)]
-    if len({s.stop - s.start for s in slices}) != 1:
-        raise ValueError(f"batch {batch} is not a multiple of micro_batch_size {mbs}")
+    tokens, mbs = align_over_experts(tokens, micro_batch_size or max(batch, 1))
+    if len(tokens) == 0:   # no rows here nor at an expert-parallel peer
+        return [] if ps.is_pipeline_last_stage() else None
+    slices = [slice(i, i + mbs) for i in range(0, tokens.shape[0], mbs)]
     device = next(model.parameters()).device
     split = context_parallel_size() > 1
     if split:
@@ -56,10 +58,12 @@ def megatron_forward(model, tokens: torch.Tensor, on_logits: Callable[[torch.Ten
 
     def forward_step(data_iterator, model):
         mb_tokens, rows = next(data_iterator)
+        real = slice(rows.start, min(rows.stop, batch))   # empty: an expert-parallel filler
         positions = torch.arange(padded_seq, device=device).expand_as(mb_tokens)
         if split:
             mb_tokens, positions = context_parallel_split(mb_tokens, positions)
-        picked = None if logit_positions is None else logit_positions(rows).to(device)
+        picked = (None if logit_positions is None or real.start >= real.stop
+                  else logit_positions(rows).to(device))
         hook = None if picked is None or split else _pick_output_rows(model, picked)
         try:
             logits = model(mb_tokens, positions, None)
@@ -68,11 +72,15 @@ def megatron_forward(model, tokens: torch.Tensor, on_logits: Callable[[torch.Ten
                 hook.remove()
 
         def collect(output, non_loss_data=False):
+            if real.start >= real.stop:
+                return None
             if split:
-                output = context_parallel_gather(output)[:, :seq]
+                output = context_parallel_gather(output)
             if picked is not None and hook is None:
                 output = output.gather(1, picked.unsqueeze(-1).expand(-1, -1, output.shape[-1]))
-            return on_logits(output, rows)
+            elif picked is None:
+                output = output[:, :seq]
+            return on_logits(output[:real.stop - real.start], real)
 
         return logits, collect
 
@@ -84,7 +92,26 @@ def megatron_forward(model, tokens: torch.Tensor, on_logits: Callable[[torch.Ten
             num_microbatches=len(slices), seq_length=padded_seq, micro_batch_size=mbs,
             forward_only=True, collect_non_loss_data=True)
         model.train(was_training)
-    return out if ps.is_pipeline_last_stage() else None
+    return [r for r in out if r is not None] if ps.is_pipeline_last_stage() else None
+
+
+def align_over_experts(tokens: torch.Tensor, micro_batch_size: int) -> tuple[torch.Tensor, int]:
+    """``tokens`` [B, S] right-padded (with id 0) to the largest micro-batch size, micro-batch
+    count and length of this rank's TP x EP group, and that micro-batch size: every rank of the
+    group then runs the same forwards over the same number of tokens, as the MoE layers' token
+    gather needs. Unchanged without expert parallelism."""
+    from megatron_bubblespec.distributed.world import expert_parallel_peaks, expert_parallel_size
+
+    batch, seq = tokens.shape
+    if batch % micro_batch_size:
+        raise ValueError(f"batch {batch} is not a multiple of micro_batch_size {micro_batch_size}")
+    if expert_parallel_size() == 1:
+        return tokens, micro_batch_size
+    mbs, count, width = expert_parallel_peaks(
+        [micro_batch_size, -(-batch // micro_batch_size), seq])
+    padded = torch.zeros(mbs * count, width, dtype=tokens.dtype)
+    padded[:batch, :seq] = tokens
+    return padded, mbs
 
 
 def broadcast_from_last_stage(tensor: torch.Tensor | None, shape, device,

@@ -42,8 +42,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_bubblespec.distributed.cpu_compat import megatron_cpu_mode
+from megatron_bubblespec.distributed.world import expert_parallel_max
 from megatron_bubblespec.models.architecture import ModelSpec
-from megatron_bubblespec.train.batch import GRPOBatch, gather_responses  # noqa: F401 (loop.step)
+from megatron_bubblespec.train.batch import GRPOBatch
 from megatron_bubblespec.train.forward import (broadcast_from_last_stage, context_parallel_gather,
                                                context_parallel_length, context_parallel_split,
                                                model_config)
@@ -243,10 +244,14 @@ class MegatronTrainer:
             batch = replace(batch, ref_logprobs=self.reference_logprobs(batch.tokens,
                                                                         batch.response_mask))
         batch = batch.to(self.device)
+        # one length over the TP x EP group (MoE token gather); the padding is outside the mask
+        width = expert_parallel_max(seq)
+        if width > seq:
+            batch = batch.padded_to(width)
         cp = context_parallel_size() > 1
-        if cp:   # whole 2 x CP chunks; the padding is outside the response mask
+        if cp:   # whole 2 x CP chunks
             batch = batch.padded_to(context_parallel_length(
-                seq, model_config(self.module).sequence_parallel))
+                batch.tokens.shape[1], model_config(self.module).sequence_parallel))
         loss_step = GRPOLossStep(self.config.grpo, self.spec.vocab_size, cp)
         lr = float(self.optimizer.param_groups[0]["lr"])
         with megatron_cpu_mode():
@@ -331,6 +336,4 @@ class MegatronTrainer:
         return Resharder(self.module, self.spec, **kwargs)
 
 
-# GRPOBatch and gather_responses live in train.batch; importable from here too.
-__all__ = ["GRPOBatch", "GRPOLossStep", "MegatronTrainer", "TrainStep", "TrainerConfig",
-           "frozen_copy", "gather_responses"]
+__all__ = ["GRPOLossStep", "MegatronTrainer", "TrainStep", "TrainerConfig", "frozen_copy"]

@@ -21,6 +21,11 @@ KNOWN_MODELS = {
                                 engine_overhead=3e9),
     "Qwen2.5-32B": dict(params=32.76e9, layers=64, heads=40, kv_heads=8, head_dim=128,
                         engine_overhead=4e9),
+    "Qwen3-8B": dict(params=8.19e9, layers=36, heads=32, kv_heads=8, head_dim=128,
+                     engine_overhead=4e9),
+    # a mixture of experts: vLLM holds every expert (30.5e9 parameters, 3.3e9 active per token)
+    "Qwen3-30B-A3B": dict(params=30.5e9, layers=48, heads=32, kv_heads=4, head_dim=128,
+                          engine_overhead=4e9),
 }
 DEFAULT_ENGINE_OVERHEAD = 4e9   # a model read from its config.json: the larger of the estimates
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -57,11 +62,21 @@ class KVCapacity:
 
 
 def parameters(spec) -> float:
-    """Parameters of a Llama/Qwen2 ``ModelSpec``: embeddings (twice when untied), per layer the
-    attention projections (+ QKV bias), SwiGLU and two norms, and the final norm."""
+    """Parameters of a ``ModelSpec`` (Llama, Qwen2, Qwen3, Qwen3-MoE): embeddings (twice when
+    untied), per layer the attention projections (+ QKV bias, + the q and k RMSNorms of
+    ``head_dim`` each), the MLP and two norms, and the final norm. The MLP is one SwiGLU of
+    ``intermediate_size``, or for a mixture of experts the router (``num_experts x hidden``) and
+    ``num_experts`` SwiGLU experts of ``moe_intermediate_size`` (all of them: the total, not the
+    parameters active per token)."""
     h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     attention = 2 * h * q + 2 * h * kv + (q + 2 * kv if spec.qkv_bias else 0)
-    layer = attention + 3 * h * spec.intermediate_size + 2 * h
+    if spec.qk_norm:
+        attention += 2 * spec.head_dim
+    if spec.is_moe:
+        mlp = spec.num_experts * h + spec.num_experts * 3 * h * spec.moe_intermediate_size
+    else:
+        mlp = 3 * h * spec.intermediate_size
+    layer = attention + mlp + 2 * h
     embeddings = spec.vocab_size * h * (1 if spec.tie_word_embeddings else 2)
     return float(embeddings + spec.num_layers * layer + h)
 
