@@ -39,8 +39,8 @@ def main() -> None:
 
     from vllm.v1.sample.sampler import Sampler
 
-    from megatron_bubblespec.measure.engine_bench import (_prompt_plan, model_info, resolved_model,
-                                                   start_engine, time_run)
+    from megatron_bubblespec.measure.engine_bench import model_info, resolved_model, start_engine
+    from megatron_bubblespec.measure.engine_timing import _prompt_plan, time_run
     from megatron_bubblespec.sampling import SamplingParams
 
     calls: list[float] = []

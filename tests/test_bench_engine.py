@@ -22,16 +22,15 @@ from megatron_bubblespec.models.architecture import make_tiny_checkpoint  # noqa
 from megatron_bubblespec.measure.engine_bench import (  # noqa: E402
     SCHEMA_VERSION,
     TINY_CONFIG,
-    _prompt_plan,
     _vllm_cpu_threads,
     add_bench_engine_parser,
     bench_engine,
     engine_names,
     render_table,
     start_engine,
-    time_run,
     write_report,
 )
+from megatron_bubblespec.measure.engine_timing import _prompt_plan, time_run  # noqa: E402
 from megatron_bubblespec.sampling import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow

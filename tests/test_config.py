@@ -279,10 +279,12 @@ def test_run_identity_leaves_out_the_observer_keys():
     assert neutral_keys(True) == {
         "run": ("resume", "checkpoint_every", "checkpoint_dir", "keep_checkpoints",
                 "stall_timeout_s", "signal_grace_s", "checkpoint_grace_s"),
+        "spec": ("barrier_timeout_s",),
         "logging": ("tensorboard", "progress", "plot")}
     base = run_identity(load_config(None))
     observers = ["run.checkpoint_every=3", "run.checkpoint_dir=elsewhere", "run.keep_checkpoints=5",
                  "run.stall_timeout_s=60", "run.signal_grace_s=5", "run.checkpoint_grace_s=9",
+                 "spec.barrier_timeout_s=60",
                  "logging.tensorboard=false", "logging.progress=false", "logging.plot=false"]
     assert run_identity(load_config(None, observers)) == base
     for setting in ("run.seed=7", "rollout.kv_block_size=64", "spec.draft_horizon=2",

@@ -110,7 +110,7 @@ def _forward_worker(path, context_parallel):
     requests = [RolloutRequest(f"r{i}", tokens[i, :9].tolist(), sample_key(1, 0, i, 0), 28)
                 for i in range(4)]
     drafts = [tokens[i, 9:9 + 8 * (i + 1) // 2].tolist() for i in range(4)]
-    result = MegatronVerifier(model, spec).verify(requests, drafts, SamplingParams(1.0))
+    result = MegatronVerifier(model, spec, SamplingParams(1.0)).verification(requests, drafts)
     destroy_distributed()
     return logits, (result.accepted.tolist(), result.next_token.tolist())
 
@@ -128,7 +128,8 @@ def test_context_parallel_forward_and_verifier_match_no_context_parallelism(chec
 
 def _train_worker(path, context_parallel):
     """One GRPO step of the fp32 TE model at CP = 1 or 2: loss, grad norm, pre-update logprobs."""
-    from megatron_bubblespec.train.trainer import GRPOBatch, MegatronTrainer, TrainerConfig
+    from megatron_bubblespec.train.batch import GRPOBatch
+    from megatron_bubblespec.train.trainer import MegatronTrainer, TrainerConfig
 
     spec, model = _fp32_model(path, context_parallel)
     trainer = MegatronTrainer(model, spec, TrainerConfig(lr=1e-4, micro_batch_size=2))

@@ -191,14 +191,14 @@ def _gpu_worker(target, cases):
     spec, tensors = load_checkpoint(target)
     for dtype_name in ("fp32", "bf16"):
         model = _build(spec, tensors, dtype_name)
-        verifier = MegatronVerifier(model, spec)
         runs = {}
         for name, (requests, drafts) in cases.items():
             params = PARAMS[name]
+            whole = MegatronVerifier(model, spec, params)
+            micro = MegatronVerifier(model, spec, params, micro_batch_size=MICRO_BATCH)
             runs[name] = {
-                "verification": _as_tuple(verifier.verify(requests, drafts, params)),
-                "micro": _as_tuple(verifier.verify(requests, drafts, params,
-                                                   micro_batch_size=MICRO_BATCH)),
+                "verification": _as_tuple(whole.verification(requests, drafts)),
+                "micro": _as_tuple(micro.verification(requests, drafts)),
                 "forced": _teacher_forced(model, requests, drafts, params)}
         out["models"][dtype_name] = {
             "spec": "transformer-engine" if has_fused_norms(model) else "local",

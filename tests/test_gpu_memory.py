@@ -71,7 +71,8 @@ def _two_steps(path, offload):
     from megatron_bubblespec.train.grpo import GRPOConfig
     from megatron_bubblespec.train.model import build_gpt_model
     from megatron_bubblespec.train.sharding import load_hf_weights
-    from megatron_bubblespec.train.trainer import GRPOBatch, MegatronTrainer, TrainerConfig
+    from megatron_bubblespec.train.batch import GRPOBatch
+    from megatron_bubblespec.train.trainer import MegatronTrainer, TrainerConfig
 
     init_distributed(1, 1, seed=0)
     spec, tensors = load_checkpoint(path)

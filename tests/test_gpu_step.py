@@ -39,8 +39,8 @@ from megatron_bubblespec.tokens import pad_token_rows
 from megatron_bubblespec.train.forward import megatron_forward
 from megatron_bubblespec.train.grpo import group_advantages
 from megatron_bubblespec.train.onpolicy import OffPolicyError, check_on_policy, logprob_gap
-from megatron_bubblespec.train.trainer import (GRPOBatch, MegatronTrainer, TrainerConfig,
-                                               gather_responses)
+from megatron_bubblespec.train.batch import GRPOBatch, gather_responses
+from megatron_bubblespec.train.trainer import MegatronTrainer, TrainerConfig
 
 VOCAB, GROUP, PROMPTS, NEW_TOKENS, PROMPT_LEN = 256, 4, 4, 48, 8
 PARAMS = SamplingParams(1.0)
@@ -147,7 +147,7 @@ def run_step(path: str, drafts_path: str, dtype_name: str, device: str = "cuda")
     requests = _requests(1)
     drafts = [r.token_ids for r in ReferenceEngine(drafts_path).generate(requests, PARAMS)]
     start = time.perf_counter()
-    verdict = MegatronVerifier(forward_model, spec).verify(requests, drafts, PARAMS)
+    verdict = MegatronVerifier(forward_model, spec, PARAMS).verification(requests, drafts)
     timings["verify_s"] = time.perf_counter() - start
     fixed = []
     for r, d, a, t in zip(requests, drafts, verdict.accepted.tolist(), verdict.next_token.tolist()):

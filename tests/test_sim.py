@@ -10,10 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatron_bubblespec.measure.sim.calibrate import (calibrate, calibration_check, expected_accepted,
-                                               fit_accept_prob, fit_capped_lengths,
-                                               fit_continuation, fit_engine_from_bench,
-                                               fit_jitter, fit_lengths, grid_accept_prob)
+from megatron_bubblespec.measure.sim.calibrate import calibrate, calibration_check
+from megatron_bubblespec.measure.sim.fits import (expected_accepted, fit_accept_prob,
+                                                  fit_capped_lengths, fit_continuation,
+                                                  fit_engine_from_bench, fit_jitter, fit_lengths,
+                                                  grid_accept_prob)
 from megatron_bubblespec.measure.sim.drafting import draft_in_bubble, drafting_order
 from megatron_bubblespec.measure.sim.model import (EngineCosts, LengthModel, Setting, StepCosts,
                                                    continued_decode_steps, simulate)
@@ -395,6 +396,44 @@ def test_model_shape_from_a_config_json(tmp_path):
     assert model_shape("/nowhere/Qwen2.5-32B").kv_heads == 8
     with pytest.raises(ValueError, match="config.json"):
         model_shape(str(tmp_path / "unknown"))
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_parameters_are_the_tensors_of_a_checkpoint(family, tiny_checkpoint):
+    """The count is every tensor transformers writes: q/k norms (Qwen3), and for Qwen3-MoE the
+    router and all experts in place of the dense SwiGLU."""
+    from megatron_bubblespec.measure.sim.memory import parameters
+    from megatron_bubblespec.models.architecture import load_checkpoint
+
+    spec, tensors = load_checkpoint(tiny_checkpoint(family, vocab_size=256))
+    assert spec.is_moe == (family == "qwen3_moe")
+    assert parameters(spec) == sum(t.numel() for t in tensors.values())
+
+
+def test_qwen3_public_configs_give_the_known_models_shapes(tmp_path):
+    """Qwen3-8B's and Qwen3-30B-A3B's public config.json give their 8.19e9 and 30.5e9 parameters
+    (8.191e9 and 30.532e9 counted) and KNOWN_MODELS' shapes."""
+    from megatron_bubblespec.measure.sim.memory import KNOWN_MODELS, model_shape
+
+    common = {"vocab_size": 151936, "num_attention_heads": 32, "head_dim": 128,
+              "rms_norm_eps": 1e-6, "rope_theta": 1e6, "rope_scaling": None,
+              "tie_word_embeddings": False, "max_position_embeddings": 40960}
+    configs = {
+        "Qwen3-8B": dict(common, architectures=["Qwen3ForCausalLM"], hidden_size=4096,
+                         num_hidden_layers=36, num_key_value_heads=8, intermediate_size=12288),
+        "Qwen3-30B-A3B": dict(common, architectures=["Qwen3MoeForCausalLM"], hidden_size=2048,
+                              num_hidden_layers=48, num_key_value_heads=4,
+                              intermediate_size=6144, moe_intermediate_size=768,
+                              num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                              decoder_sparse_step=1, mlp_only_layers=[]),
+    }
+    for name, config in configs.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        shape, known = model_shape(str(tmp_path / name)), KNOWN_MODELS[name]
+        assert shape.params == pytest.approx(known["params"], rel=0.002), name
+        assert ((shape.layers, shape.heads, shape.kv_heads, shape.head_dim)
+                == (known["layers"], known["heads"], known["kv_heads"], known["head_dim"]))
 
 
 def test_waves_appear_exactly_when_sequences_exceed_the_slots():

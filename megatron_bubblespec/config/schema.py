@@ -114,7 +114,7 @@ class SpecConfig:
     proposal_token_cost: Optional[float] = 0.4
     min_match: int = 3
     max_match: int = 8
-    barrier_timeout_s: float = 600.0
+    barrier_timeout_s: float = field(default=600.0, metadata=OBSERVER)   # a watchdog
     draft_horizon: int = 3          # bubbles draft steps t+k .. t+k+H-1 (later ones fill the batch)
     # vLLM keeps its prefix cache across weight updates, salted per weight version for rollouts and
     # shared by drafting requests: a bubble extends a partial draft on the KV an earlier bubble left

@@ -37,10 +37,6 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 FORMAT_VERSION = 1
 
 
-def checkpoint_root(cfg, run_directory: Path) -> Path:
-    return Path(cfg.run.checkpoint_dir) if cfg.run.checkpoint_dir else run_directory / "checkpoints"
-
-
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """(completed steps, directory) of every complete checkpoint under ``root``, oldest first."""
     found = []
@@ -57,14 +53,15 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def resolve_resume(cfg, run_directory: Path) -> Path | None:
-    """``run.resume``: none -> None; auto -> the latest complete checkpoint (None if there is
-    none yet: a first start); a path -> that checkpoint, which must be complete."""
+def resolve_resume(cfg, checkpoints: Path) -> Path | None:
+    """``run.resume``: none -> None; auto -> the latest complete checkpoint under ``checkpoints``
+    (None if there is none yet: a first start); a path -> that checkpoint, which must be
+    complete."""
     resume = cfg.run.resume
     if resume == "none":
         return None
     if resume == "auto":
-        return latest_checkpoint(checkpoint_root(cfg, run_directory))
+        return latest_checkpoint(checkpoints)
     path = Path(resume)
     if not (path / COMPLETE).is_file():
         raise FileNotFoundError(f"run.resume={resume!r} is not a complete checkpoint (no "

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_bubblespec.config import Config
 from megatron_bubblespec.loop.layout import RolloutLayout
-from megatron_bubblespec.loop.lockstep import LockstepEngine, follow
+from megatron_bubblespec.loop.lockstep import follow
 from megatron_bubblespec.loop.replica import Replica, RunState
 from megatron_bubblespec.loop.step_metrics import EngineRollout, bubble_metrics, engine_metrics
 from megatron_bubblespec.sampling.requests import RolloutResult
@@ -34,7 +34,7 @@ from megatron_bubblespec.spec.samples import StepPlan
 from megatron_bubblespec.spec.verifier import verify_drafts
 from megatron_bubblespec.train.grpo import group_advantages
 from megatron_bubblespec.train.onpolicy import check_on_policy
-from megatron_bubblespec.train.trainer import GRPOBatch, gather_responses
+from megatron_bubblespec.train.batch import GRPOBatch, gather_responses
 
 
 @dataclass
@@ -45,7 +45,7 @@ class StepOutput:
 
 
 def run_step(rep: Replica, step: int) -> StepOutput:
-    """Step ``step`` on this rank: the six stages of DESIGN.md, each one call."""
+    """Step ``step`` on this rank: the stages of docs/design/README.md, each one call."""
     cfg, policy, layout, version = rep.cfg, rep.policy, rep.layout, rep.state.weight_version
     plan = policy.plan(step, layout.dp_rank)        # the replica's samples and their drafts
 
@@ -127,8 +127,7 @@ def bubble(drafter: BubbleDrafter | None, policy: DraftingPolicy, step: int,
         return None
     samples = policy.to_draft(step)
     drafts, stats = drafter.arrive_and_draft(step, samples, policy.drafting_request, version)
-    if isinstance(drafter.engine, LockstepEngine):
-        drafter.engine.release()
+    drafter.engine.release()
     return drafts, bubble_metrics(stats, bool(samples))
 
 

@@ -36,11 +36,6 @@ from megatron_bubblespec.train.checkpoint import check_checkpointable
 from megatron_bubblespec.train.export import export_final
 
 
-def run_dir(cfg: Config) -> Path:
-    """The run's directory (``RunDir.of(cfg).path``)."""
-    return RunDir.of(cfg).path
-
-
 def _preempted(flag: PreemptionFlag) -> bool:
     """Whether any rank got a preemption signal (collective)."""
     import torch
@@ -112,7 +107,7 @@ def _resume(replica: Replica, run: RunDir) -> int:
     import torch.distributed as dist
 
     rank0 = dist.get_rank() == 0
-    found = resolve_resume(replica.cfg, run.path) if rank0 else None
+    found = resolve_resume(replica.cfg, run.checkpoints) if rank0 else None
     box = [str(found) if found else None]
     dist.broadcast_object_list(box, src=0)
     if not box[0]:
@@ -156,7 +151,7 @@ def _shutdown(replica) -> None:
     dist.barrier()  # nobody is inside a collective any more
     engine = replica.engine_shard
     replica.engine = replica.drafter = replica.engine_shard = None
-    if engine is not None and hasattr(engine, "shutdown"):
+    if engine is not None:
         engine.shutdown()
     del engine
     import gc

@@ -6,8 +6,9 @@ prompts and sampling keys), trains each as its own run under ``out_dir`` (run na
 ``<run.name>-on`` and ``<run.name>-off``, BubbleSpec on first), then replays the off run's samples
 with plain vLLM sampling (:mod:`megatron_bubblespec.measure.plain_replay`: vLLM's own sampler, no
 keyed processor, no drafts, each sample exactly as many tokens as in the off run, the initial
-checkpoint, each DP rank's batch timed in turn and the slowest taken per step; written as the run
-directory ``<run.name>-plain``; ``plain=False`` / ``--no-plain`` skips it) and compares.
+checkpoint, every rollout engine's batch run at once in its own process, as the run's engines
+run, and the slowest taken per step; written as the run directory ``<run.name>-plain``;
+``plain=False`` / ``--no-plain`` skips it) and compares.
 ``resume=True`` / ``--resume`` keeps each of the three runs that already finished under ``out_dir``
 with the same resolved config (:func:`finished_run`; the off run and its replay also serve other
 ``spec`` settings and KV blocks, which BubbleSpec off does not read) and runs only the missing
@@ -33,7 +34,8 @@ The comparison:
   overshoot (``bubble/overshoot_wall_s``: a drafting engine finishes the engine step it is in
   when the barrier closes, and the step waits for it);
   ``throughput_vs_plain`` = plain rollout time / (on rollout time + on verify time + on overshoot
-  time): BubbleSpec against the rollout users run today (DESIGN.md, "What faster means");
+  time): BubbleSpec against the rollout users run today (docs/results/README.md, "How the bench
+  measures");
   ``throughput_off_vs_plain`` = plain rollout time / off rollout time (below 1: what the keyed
   draw itself costs);
   ``verify_overhead_frac`` = on verify time / on rollout time; ``overshoot_frac`` = on overshoot
@@ -213,45 +215,14 @@ def compare(on: Sequence[Record], off: Sequence[Record], plain: Sequence[Record]
     return result
 
 
-# Keys no run's tokens, counts or rollout work depend on: where and how often it checkpoints,
-# its watchdogs and what it logs.
-OBSERVER_KEYS = {"run": ("resume", "checkpoint_every", "checkpoint_dir", "keep_checkpoints",
-                         "stall_timeout_s", "signal_grace_s", "checkpoint_grace_s"),
-                 "logging": ("tensorboard", "progress", "plot")}
-# Keys a run with BubbleSpec off does not depend on either: the KV block is the unit of reuse of
-# drafts' KV (spec.reuse_draft_kv); without drafts it changes neither a token nor an engine step
-# (the same off run served benches at blocks of 128 and 32 with 0 mismatched tokens).
-OFF_RUN_KEYS = {"rollout": ("kv_block_size",)}
-
-
-def _as_run(cfg) -> str:
-    """The config as the run reads it, in YAML: the keys that cannot change its records set to
-    their defaults. A run with BubbleSpec off reads nothing of ``spec`` but ``spec.enabled``
-    (every other key, and every ``ablation`` key, is gated on it) and no key of ``OFF_RUN_KEYS``;
-    no run depends on
-    ``OBSERVER_KEYS``."""
-    from megatron_bubblespec.config.load import to_yaml
-    from megatron_bubblespec.config.schema import AblationConfig, SpecConfig
-
-    neutral = dict(OBSERVER_KEYS)
-    if not cfg.spec.enabled:
-        cfg = dataclasses.replace(cfg, spec=SpecConfig(enabled=False), ablation=AblationConfig())
-        neutral.update(OFF_RUN_KEYS)
-    for room, keys in neutral.items():
-        section = getattr(cfg, room)
-        defaults = type(section)()
-        cfg = dataclasses.replace(cfg, **{room: dataclasses.replace(
-            section, **{key: getattr(defaults, key) for key in keys})})
-    return to_yaml(cfg)
-
-
 def finished_run(run_cfg, steps: int | None = None) -> dict | None:
     """The records and rollouts of the run ``run_cfg`` names if it finished all ``steps`` (default
-    ``run_cfg.run.steps``) with this config (its ``config.yaml``, up to the keys :func:`_as_run`
-    leaves out: an off run serves benches of any spec settings and KV block);
+    ``run_cfg.run.steps``) with this config (its ``config.yaml``, up to the keys
+    ``config.identity.run_identity`` leaves out: an off run serves benches of any spec settings);
     else None. A plain replay directory has no config of its own: pass the off run's config and
     its run name."""
     from megatron_bubblespec.config import ConfigError
+    from megatron_bubblespec.config.identity import run_identity
     from megatron_bubblespec.loop.run_dir import RunDir
 
     run = RunDir.of(run_cfg)
@@ -262,7 +233,7 @@ def finished_run(run_cfg, steps: int | None = None) -> dict | None:
             saved = dataclasses.replace(
                 saved, config_path=run_cfg.config_path,
                 run=dataclasses.replace(saved.run, output_dir=run_cfg.run.output_dir))
-            if _as_run(saved) != _as_run(run_cfg):
+            if run_identity(saved) != run_identity(run_cfg):
                 return None
         except ConfigError:
             return None

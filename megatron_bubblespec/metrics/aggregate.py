@@ -1,7 +1,7 @@
 """Step aggregation: one metric dict per rollout engine -> one step record (sums, maxima, means, ratios).
 
 Each rollout engine (``loop.layout``; one per DP rank in a DP-only layout) reports the raw metrics
-of its own share of the step under the names of DESIGN.md ("rollout/tokens", "bubble/idle_s", ...);
+of its own share of the step under the names of metrics.registry ("rollout/tokens", "bubble/idle_s", ...);
 "rank r" below is the engine with global index r, and the per-engine keys are ``rank{r}/...``.
 How each metric reduces is declared once, in ``metrics.registry``. The ratios are never averaged
 across ranks: they are recomputed from the aggregated sums, so a rank with more samples weighs

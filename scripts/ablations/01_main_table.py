@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import report
 import runner
-from megatron_bubblespec.measure.bench import markdown_steps, markdown_summary
+from megatron_bubblespec.measure.bench_report import markdown_steps, markdown_summary
 from megatron_bubblespec.metrics import plot_run
 from megatron_bubblespec.metrics.formatting import number
 

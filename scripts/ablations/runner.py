@@ -36,6 +36,7 @@ from megatron_bubblespec.distributed.launch import forward_signals
 from megatron_bubblespec.measure.bench import (compare, compare_steps, finished_run,
                                              steady_state_first_step, token_mismatch)
 from megatron_bubblespec.loop.heartbeat import EXIT_PREEMPTED
+from megatron_bubblespec.loop.run_dir import CONFIG_FILE
 from megatron_bubblespec.machine import machine_info
 from megatron_bubblespec.metrics import to_json
 from megatron_bubblespec.metrics.formatting import value
@@ -197,7 +198,7 @@ def train_run(config: str, overrides: Sequence[str], runs_dir: Path, name: str) 
 def reusable_off_run(out: Path, config: str, overrides: Sequence[str]) -> dict | None:
     """An off run that a study under ``out`` already finished with this run config (the off
     run's ``overrides``), as :func:`train_run` returns it; None when there is none."""
-    for saved in sorted(out.glob("*/runs/*/config.yaml")):
+    for saved in sorted(out.glob(f"*/runs/*/{CONFIG_FILE}")):
         run = saved.parent
         cfg = load(config, [*overrides, f"run.output_dir={run.parent}", f"run.name={run.name}"])
         found = finished_run(cfg)

@@ -107,6 +107,7 @@ def config_shape(path):
     """A training config's values (schema defaults <- the YAML file) without the checks of
     ``load_config`` that only this machine's hardware fails (a bf16 GPU layout read on a CPU):
     the simulator takes only the job's shape from it."""
+    import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -116,8 +117,8 @@ def config_shape(path):
     try:
         merged = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path))
         return OmegaConf.to_object(merged)
-    except (OSError, OmegaConfBaseException) as err:
-        raise ConfigError(f"--config {path}: {str(err).splitlines()[0]}") from None
+    except (OSError, OmegaConfBaseException, yaml.YAMLError) as err:
+        raise ConfigError(f"--config {path}: {' '.join(str(err).split())}") from None
 
 
 def grid_setting(cal, args):
@@ -309,6 +310,21 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--draft-order", choices=DRAFT_ORDERS, default=None,
                         help="which samples a bubble drafts first (ablation.draft_order; default: "
                              "the calibrated job's, or --config's)")
+    _add_layout_arguments(parser)
+    parser.add_argument("--samples-per-rank", type=int, default=None)
+    parser.add_argument("--prompt-len", type=int, default=None,
+                        help="prompt tokens (default: measured from the bench config's task)")
+    parser.add_argument("--steps", type=int, default=12, help="simulated steps per point")
+    parser.add_argument("--seeds", type=int, default=2, help="seeds averaged per point")
+    parser.add_argument("--check-replicates", type=int, default=32,
+                        help="seeds averaged in the calibration check")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(func=cmd_simulate)
+    return parser
+
+
+def _add_layout_arguments(parser: argparse.ArgumentParser) -> None:
+    """``simulate``'s rollout layout options: layouts, their TPs, GPU memory, TP scaling."""
     parser.add_argument("--layouts", type=_layouts, default=None,
                         help="comma-separated rollout layouts of --config to simulate: "
                         "one-per-replica (one engine per replica at rollout TP = TP, on the first "
@@ -328,16 +344,6 @@ def add_simulate_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--tp-alpha", type=float, default=None,
                         help="an engine of r GPUs takes (r0 / r) ^ alpha of the measured rollout "
                         "TP r0's time (default 1: ideal scaling; not measured)")
-    parser.add_argument("--samples-per-rank", type=int, default=None)
-    parser.add_argument("--prompt-len", type=int, default=None,
-                        help="prompt tokens (default: measured from the bench config's task)")
-    parser.add_argument("--steps", type=int, default=12, help="simulated steps per point")
-    parser.add_argument("--seeds", type=int, default=2, help="seeds averaged per point")
-    parser.add_argument("--check-replicates", type=int, default=32,
-                        help="seeds averaged in the calibration check")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.set_defaults(func=cmd_simulate)
-    return parser
 
 
 def cmd_simulate(args) -> int:
