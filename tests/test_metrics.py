@@ -54,7 +54,7 @@ RANKS = [
      "sync/reshard_s": 1.0, "sync/reshard_bytes": 1000, "sync/logprob_abs_diff": 0.01,
      "train/loss": 0.5, "train/reward_mean": 0.25, "train/accuracy": 0.0, "train/kl": 0.01, "train/grad_norm": 1.0,
      "train/lr": 1e-6, "policy/drift_kl": 0.002, "exact/weight_version": 3,
-     "spec/proposal_token_cost": 0.2},
+     "spec/proposal_token_cost": 0.2, "memory/rss_peak_gb": 2.5},
     {"rollout/time_s": 12.0, "rollout/decode_steps": 120, "rollout/decode_steps_plain": 200,
      "rollout/tokens": 210, "rollout/max_response_len": 64,
      "bubble/idle_s": 0.0, "bubble/drafting_s": 0.0, "bubble/overshoot_s": 0.0,
@@ -67,7 +67,7 @@ RANKS = [
      "sync/reshard_s": 1.2, "sync/reshard_bytes": 1000, "sync/logprob_abs_diff": 0.02,
      "train/loss": 0.7, "train/reward_mean": 0.75, "train/accuracy": 0.5, "train/kl": 0.03, "train/grad_norm": 1.0,
      "train/lr": 1e-6, "policy/drift_kl": 0.004, "exact/weight_version": 3,
-     "spec/proposal_token_cost": 0.4},
+     "spec/proposal_token_cost": 0.4, "memory/rss_peak_gb": 2.75},
     {"rollout/time_s": 9.0, "rollout/decode_steps": 90, "rollout/decode_steps_plain": 90,
      "rollout/tokens": 100, "rollout/max_response_len": 30,
      "bubble/idle_s": 3.0, "bubble/drafting_s": 3.0, "bubble/overshoot_s": 0.2,
@@ -79,7 +79,8 @@ RANKS = [
      "spec/continuation_accepted_tokens": 0,
      "sync/reshard_s": 1.1, "sync/reshard_bytes": 1000, "sync/logprob_abs_diff": 0.015,
      "train/loss": 0.6, "train/reward_mean": 0.5, "train/accuracy": 0.25, "train/kl": 0.02, "train/grad_norm": 1.0,
-     "train/lr": 1e-6, "policy/drift_kl": 0.003, "exact/weight_version": 3},
+     "train/lr": 1e-6, "policy/drift_kl": 0.003, "exact/weight_version": 3,
+     "memory/rss_peak_gb": 2.25},
 ]
 
 
@@ -152,6 +153,7 @@ def test_every_engine_metric_and_every_derived_one_reaches_the_record():
     expected = {name for name, m in METRICS.items()
                 if (m.reduce in REPORTED and not m.per_source) or m.reduce == DERIVED}
     assert expected <= set(rec), sorted(expected - set(rec))
+    assert rec["memory/rss_peak_gb"] == 2.75 and rec["rank2/memory/rss_peak_gb"] == 2.25
     # measured per engine at start-up (ablation.measure_proposal_cost); an engine without one is left out
     assert close(rec["spec/proposal_token_cost"], 0.3)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_bubblespec.machine import peak_rss_gb
 from megatron_bubblespec.metrics import decode_steps_plain
 from megatron_bubblespec.sampling.requests import RolloutResult
 from megatron_bubblespec.spec.bubble import BubbleStats
@@ -57,6 +58,7 @@ def engine_metrics(mine: EngineRollout, drafted: list[int], accepted: list[int],
         "spec/drafted_tokens": sum(drafted),
         "spec/accepted_tokens": sum(accepted),
         "spec/verify_s": verify_s,
+        "memory/rss_peak_gb": peak_rss_gb(),
         **(mine.bubble or {}), **sync_metrics,
     }
     if verified:

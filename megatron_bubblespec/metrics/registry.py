@@ -115,6 +115,7 @@ _METRICS = [
     Metric("spec/verify_s", MAX, seconds, "verify wall time", "verify"),
     Metric("sync/reshard_s", MAX, seconds, "reshard wall time"),
     Metric("sync/logprob_abs_diff", MAX, scientific, "max |engine - Megatron| logprob"),
+    Metric("memory/rss_peak_gb", MAX, number, "peak resident memory of a rank so far (GB)"),
     # --- means
     Metric("train/loss", MEAN, number, "GRPO loss", "loss", over_run=mean_of),
     Metric("train/reward_mean", MEAN, number, "mean reward", "reward", over_run=mean_of),
@@ -157,7 +158,7 @@ _METRICS = [
 _PER_ENGINE = ("bubble/idle_s", "bubble/drafting_s", "bubble/overshoot_s", "bubble/draftable_s",
                "bubble/engine_steps", "bubble/new_tokens", "bubble/prefill_tokens",
                "bubble/ratio", "bubble/utilization", "rollout/engine_steps", "rollout/time_s",
-               "spec/drafted_tokens")
+               "spec/drafted_tokens", "memory/rss_peak_gb")
 
 METRICS: dict[str, Metric] = {m.name: m for m in _METRICS}
 assert len(METRICS) == len(_METRICS), "a metric is declared twice"
