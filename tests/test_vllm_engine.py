@@ -54,10 +54,8 @@ LOGPROB_TOL_HF = 1e-4         # vLLM vs transformers (different kernels, float32
 LOGPROB_TOL_SAME = 1e-5       # vLLM vs vLLM
 
 
-def tiny_checkpoint(path, seed):
-    return make_tiny_checkpoint(path, "llama", seed=seed, vocab_size=VOCAB, hidden_size=64,
-                                num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
-                                intermediate_size=128)
+TINY_SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                  head_dim=32, intermediate_size=128)
 
 
 def keys_for(tag: int, n: int) -> list[int]:
@@ -129,7 +127,8 @@ def max_abs_diff(a, b):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory.mktemp("tiny_a"), seed=0)
+    # this module's own copy, not the shared one: config_eos rewrites its EOS id
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_a"), "llama", seed=0, **TINY_SHAPE)
 
 
 @pytest.fixture(scope="module")
@@ -345,11 +344,11 @@ def test_update_weights_streams_the_iterator(engine, checkpoint, prompts):
 
 
 def test_drafts_extend_on_kv_of_earlier_weights_and_rollouts_never_do(engine, checkpoint,
-                                                                      tmp_path_factory):
+                                                                      tiny_checkpoint):
     """reuse_draft_kv: weight updates keep the prefix cache. A drafting request (``drafting``)
     extends on the KV its prompt got under the weights before the update, while a rollout request
     only meets KV of its own weights: after w0 -> w1 -> w0 it is the first w0 rollout again."""
-    other = tiny_checkpoint(tmp_path_factory.mktemp("tiny_kv"), seed=1)
+    other = tiny_checkpoint("llama", seed=1, **TINY_SHAPE)
     original = load_checkpoint(checkpoint)[1]
     g = torch.Generator().manual_seed(2)
     long_prompt = torch.randint(3, VOCAB, (200,), generator=g).tolist()   # > 128: a full KV block
@@ -378,9 +377,9 @@ def test_drafts_extend_on_kv_of_earlier_weights_and_rollouts_never_do(engine, ch
         engine.update_weights(original.items())   # and a clean prefix cache for what follows
 
 
-def test_update_weights_in_place(engine, checkpoint, prompts, tmp_path_factory):
+def test_update_weights_in_place(engine, checkpoint, prompts, tiny_checkpoint):
     """Runs last: it restores the original weights at the end all the same."""
-    other = tiny_checkpoint(tmp_path_factory.mktemp("tiny_b"), seed=1)
+    other = tiny_checkpoint("llama", seed=1, **TINY_SHAPE)
     g = torch.Generator().manual_seed(1)
     long_prompt = torch.randint(3, VOCAB, (200,), generator=g).tolist()   # > 128: a full KV block
     batch_prompts = [long_prompt] + prompts[:3]
@@ -439,6 +438,25 @@ def test_update_weights_of_a_tied_model_updates_the_lm_head(tmp_path):
     assert updated.token_ids == fresh.token_ids
     assert max_abs_diff(updated.logprobs, fresh.logprobs) <= LOGPROB_TOL_SAME
 
+
+
+def test_a_mixture_of_experts_engine_over_several_gpus_uses_expert_parallelism(tiny_checkpoint,
+                                                                              monkeypatch):
+    """On CUDA, an MoE engine of rollout TP > 1 splits whole experts over its GPUs (vLLM's
+    expert parallelism); at TP 1, on CPU, or for a dense model nothing changes."""
+    from megatron_bubblespec.rollout.vllm_engine import _llm_arguments
+
+    moe = tiny_checkpoint("qwen3_moe", vocab_size=256)
+
+    def arguments(path, tp):
+        return _llm_arguments(path, None, None, None, seed=0, enable_prefix_caching=True,
+                              tensor_parallel_size=tp)
+
+    assert "enable_expert_parallel" not in arguments(moe, 2)        # CPU: one engine per rank
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert arguments(moe, 2)["enable_expert_parallel"] is True
+    assert "enable_expert_parallel" not in arguments(moe, 1)
+    assert "enable_expert_parallel" not in arguments(tiny_checkpoint("qwen3", vocab_size=256), 2)
 
 
 def test_update_weights_of_a_mixture_of_experts_repacks_the_experts(tmp_path):

@@ -134,7 +134,17 @@ def _llm_arguments(model_path: Path, dtype: str | None, kv_cache_memory_bytes: i
         # With dynamo disabled vLLM still asks torch.compile for an AOT artefact of the model
         # and fails ("aot_compile is not supported"): run the model eagerly.
         kwargs["enforce_eager"] = True
+    elif options.get("tensor_parallel_size", 1) > 1 and _is_moe(model_path):
+        # vLLM's expert parallelism: each GPU of the engine holds whole experts, its share of
+        # them, instead of a tensor-parallel slice of every expert
+        kwargs["enable_expert_parallel"] = True
     return kwargs
+
+
+def _is_moe(model_path: Path) -> bool:
+    from megatron_bubblespec.models.architecture import check_checkpoint
+
+    return check_checkpoint(model_path).is_moe
 
 
 def _speculative_config(spec_k: int) -> dict[str, Any]:
