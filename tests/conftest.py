@@ -123,3 +123,22 @@ def tiny_checkpoint(tmp_path_factory):
         return made[key]
 
     return make
+
+
+def assert_on_off_identical(on: dict, off: dict, label: str, steps: int) -> None:
+    """Two ``train(..., return_weights=True)`` results, BubbleSpec on and off: drafts both
+    accepted and rejected in the on run, none in the off run, and the same tokens, losses and
+    final weights."""
+    drafted = sum(r["spec/drafted_tokens"] for r in on["records"])
+    accepted = sum(r["spec/accepted_tokens"] for r in on["records"])
+    assert 0 < accepted < drafted, f"{label}: drafts must be both accepted and rejected " \
+                                   f"({accepted} of {drafted} drafted tokens accepted)"
+    assert all(r["spec/drafted_tokens"] == 0 for r in off["records"])
+    assert len(on["rollouts"]) == len(off["rollouts"]) == steps
+    for step, (a, b) in enumerate(zip(on["rollouts"], off["rollouts"])):
+        assert a == b, f"{label}, step {step}: rollout tokens differ between BubbleSpec on and off"
+    for a, b in zip(on["records"], off["records"]):
+        assert a["train/loss"] == b["train/loss"], label
+    assert set(on["weights"]) == set(off["weights"])
+    for name, tensor in on["weights"].items():
+        assert torch.equal(tensor, off["weights"][name]), f"{label}: final {name} differs"

@@ -6,7 +6,6 @@ over the whole run and the steady state, and bench.json / bench.md / bench.png."
 import argparse
 import json
 import math
-from pathlib import Path
 
 import pytest
 
@@ -21,8 +20,7 @@ from megatron_bubblespec.measure.bench import (add_bench_parser, bench, compare,
 from megatron_bubblespec.measure.bench_report import markdown_steps, markdown_summary
 from megatron_bubblespec.measure.plain_replay import check_replayable, load_run, step_requests
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
+from conftest import TINY
 
 RATIOS = ("decode_steps_ratio", "rollout_time_ratio", "throughput_ratio",
           "throughput_ratio_with_verify", "verify_overhead_frac", "bubble_ratio_off",

@@ -11,14 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from megatron_bubblespec.models.architecture import make_tiny_checkpoint  # noqa: E402
 from megatron_bubblespec.measure.engine_bench import (  # noqa: E402
     SCHEMA_VERSION,
     TINY_CONFIG,
@@ -90,18 +87,17 @@ def keyed_vs_plain():
     return bench_engine("vllm,plain", "tiny", BATCH_SIZES, PROMPT_LEN, NEW_TOKENS, 1.0, 2)
 
 
-def test_plain_generates_exactly_the_requested_tokens():
-    with tempfile.TemporaryDirectory() as tmp:
-        path = make_tiny_checkpoint(Path(tmp) / "tiny", "llama", seed=0, **TINY_CONFIG)
-        engine = start_engine("plain", path, 64)
-        assert not engine.keyed
-        prompts = [[5, 6, 7], [9] * 11, list(range(3, 40))]
-        for new_tokens, params in ((13, SamplingParams(1.0)), (5, SamplingParams(0.7, top_p=0.9)),
-                                   (2, SamplingParams(0.0))):
-            run = time_run(engine, prompts, new_tokens, params, seed=0, tag=f"p{new_tokens}")
-            assert run["generated_tokens"] == len(prompts) * new_tokens
-            assert run["decode_steps"] == new_tokens - 1 and run["prefill_steps"] == 1
-            assert run["prompt_tokens"] == sum(map(len, prompts))
+def test_plain_generates_exactly_the_requested_tokens(tiny_checkpoint):
+    path = tiny_checkpoint("llama", seed=0, **TINY_CONFIG)
+    engine = start_engine("plain", path, 64)
+    assert not engine.keyed
+    prompts = [[5, 6, 7], [9] * 11, list(range(3, 40))]
+    for new_tokens, params in ((13, SamplingParams(1.0)), (5, SamplingParams(0.7, top_p=0.9)),
+                               (2, SamplingParams(0.0))):
+        run = time_run(engine, prompts, new_tokens, params, seed=0, tag=f"p{new_tokens}")
+        assert run["generated_tokens"] == len(prompts) * new_tokens
+        assert run["decode_steps"] == new_tokens - 1 and run["prefill_steps"] == 1
+        assert run["prompt_tokens"] == sum(map(len, prompts))
 
 
 def test_keyed_vs_plain_rows_and_comparison(keyed_vs_plain):

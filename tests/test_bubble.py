@@ -10,7 +10,6 @@ import torch.distributed as dist
 from megatron_bubblespec.distributed import destroy_distributed, init_process_group
 from megatron_bubblespec.distributed.launch import launch_local
 from megatron_bubblespec.distributed.world import default_store
-from megatron_bubblespec.models.architecture import make_tiny_checkpoint
 from megatron_bubblespec.sampling.requests import RolloutRequest
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams, sample_key
@@ -62,8 +61,8 @@ def _barrier_worker(path, delays, timeout_s, order=None, in_flight=4, prefix=())
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama")
+def tiny(tiny_checkpoint):
+    return tiny_checkpoint("llama")
 
 
 def test_fast_ranks_draft_only_inside_the_bubble(tiny):

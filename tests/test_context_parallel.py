@@ -10,7 +10,7 @@ import torch
 from megatron_bubblespec.distributed import (apply_cpu_patches, destroy_distributed,
                                              init_process_group, megatron_cpu_mode)
 from megatron_bubblespec.distributed.launch import launch_local
-from megatron_bubblespec.models.architecture import load_checkpoint, make_tiny_checkpoint
+from megatron_bubblespec.models.architecture import load_checkpoint
 from megatron_bubblespec.train.forward import (context_parallel_gather, context_parallel_split,
                                                megatron_forward, pad_for_context_parallel)
 from megatron_bubblespec.train.model import build_gpt_model
@@ -46,9 +46,8 @@ def _refusal_worker(path):
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("hf"), "llama", vocab_size=VOCAB,
-                                num_layers=2)
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("llama", vocab_size=VOCAB, num_layers=2)
 
 
 @pytest.mark.slow

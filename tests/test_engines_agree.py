@@ -4,7 +4,6 @@ SmolLM2 runs offline in both with transformers' greedy tokens."""
 import pytest
 import torch
 
-from megatron_bubblespec.models.architecture import make_tiny_checkpoint
 from megatron_bubblespec.sampling.requests import RolloutRequest
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams, perturbed_scores, sample_key
@@ -15,8 +14,8 @@ NEW_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama")
+def tiny(tiny_checkpoint):
+    return tiny_checkpoint("llama")
 
 
 @pytest.fixture(scope="module")

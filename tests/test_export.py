@@ -11,7 +11,7 @@ import torch
 
 from megatron_bubblespec.distributed import destroy_distributed, init_distributed, megatron_cpu_mode
 from megatron_bubblespec.distributed.launch import launch_local
-from megatron_bubblespec.models.architecture import load_checkpoint, make_tiny_checkpoint
+from megatron_bubblespec.models.architecture import load_checkpoint
 from megatron_bubblespec.train import export
 from megatron_bubblespec.train.model import build_gpt_model
 from megatron_bubblespec.train.reshard import Resharder
@@ -21,9 +21,8 @@ SMALL_SHARD = 80 << 10           # above the largest tensor (the 64 kB embedding
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("hf"), "qwen2", vocab_size=250,
-                                num_layers=4)
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("qwen2", vocab_size=250, num_layers=4)
 
 
 def _export_worker(path, out_root):

@@ -25,7 +25,6 @@ from megatron_bubblespec.distributed import destroy_distributed, init_distribute
 from megatron_bubblespec.distributed.launch import launch_local
 from megatron_bubblespec.models.architecture import (
     load_checkpoint,
-    make_tiny_checkpoint,
     perturb_checkpoint,
 )
 from megatron_bubblespec.rollout.reference import ReferenceEngine
@@ -122,10 +121,9 @@ def test_keyed_draws_on_cuda_equal_cpu(params, dtype):
 # ------------------------------------------------------------------------------ 2./3. Megatron
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
+def checkpoints(tiny_checkpoint, tmp_path_factory):
     pytest.importorskip("transformers", reason="make_tiny_checkpoint writes the model with transformers")
-    target = make_tiny_checkpoint(tmp_path_factory.mktemp("target"), "llama", vocab_size=VOCAB,
-                                  num_layers=4)
+    target = tiny_checkpoint("llama", vocab_size=VOCAB, num_layers=4)
     return target, perturb_checkpoint(target, tmp_path_factory.mktemp("perturbed"), 0.003)
 
 

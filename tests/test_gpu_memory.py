@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_bubblespec.models.architecture import load_checkpoint, make_tiny_checkpoint
+from megatron_bubblespec.models.architecture import load_checkpoint
 from megatron_bubblespec.sampling import SamplingParams, sample_key
 from megatron_bubblespec.sampling.requests import RolloutRequest
 
-TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+from conftest import TINY
 
 
 def _requests(n=4, new=24):
@@ -30,11 +29,11 @@ def _requests(n=4, new=24):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("level", [1, 2])
-def test_sleep_and_wake_around_a_weight_update_keeps_the_tokens(tmp_path, level):
+def test_sleep_and_wake_around_a_weight_update_keeps_the_tokens(tiny_checkpoint, level):
     pytest.importorskip("vllm")
     from megatron_bubblespec.rollout.factory import build_engine
 
-    path = make_tiny_checkpoint(tmp_path / "tiny", "llama")
+    path = tiny_checkpoint("llama")
     _, tensors = load_checkpoint(path)
     params = SamplingParams(1.0)
     awake = build_engine(path, kind="vllm", max_model_len=256, gpu_memory_utilization=0.2)
@@ -53,12 +52,12 @@ def test_sleep_and_wake_around_a_weight_update_keeps_the_tokens(tmp_path, level)
 
 
 @pytest.mark.gpu
-def test_offloading_the_training_state_changes_no_train_step(tmp_path):
+def test_offloading_the_training_state_changes_no_train_step(tiny_checkpoint):
     """Two identical trainers take two steps; one offloads its optimizer state and gradient
     buffers between them: the weights after the second step are the same."""
     from megatron_bubblespec.distributed.launch import launch_local
 
-    path = make_tiny_checkpoint(tmp_path / "tiny", "llama")
+    path = tiny_checkpoint("llama")
     plain = launch_local(_two_steps, 1, path, False)[0]
     offloaded = launch_local(_two_steps, 1, path, True)[0]
     assert set(plain) == set(offloaded)

@@ -29,8 +29,7 @@ import torch
 
 from megatron_bubblespec.distributed import destroy_distributed, init_distributed, megatron_cpu_mode
 from megatron_bubblespec.distributed.launch import launch_local
-from megatron_bubblespec.models.architecture import (load_checkpoint, make_tiny_checkpoint,
-                                                     perturb_checkpoint)
+from megatron_bubblespec.models.architecture import load_checkpoint, perturb_checkpoint
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams, gumbel_noise, sample_key
 from megatron_bubblespec.sampling.requests import Proposals, RolloutRequest
@@ -204,8 +203,8 @@ def run_step(path: str, drafts_path: str, dtype_name: str, device: str = "cuda")
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    target = make_tiny_checkpoint(tmp_path_factory.mktemp("target"), "llama", vocab_size=VOCAB)
+def checkpoints(tiny_checkpoint, tmp_path_factory):
+    target = tiny_checkpoint("llama", vocab_size=VOCAB)
     return str(target), str(perturb_checkpoint(target, tmp_path_factory.mktemp("previous"), 0.01))
 
 

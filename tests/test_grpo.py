@@ -35,7 +35,7 @@ import torch
 
 from megatron_bubblespec.distributed import destroy_distributed, init_distributed, megatron_cpu_mode
 from megatron_bubblespec.distributed.launch import launch_local
-from megatron_bubblespec.models.architecture import load_checkpoint, make_tiny_checkpoint
+from megatron_bubblespec.models.architecture import load_checkpoint
 from megatron_bubblespec.train.grpo import (
     GRPOConfig,
     clipped_policy_loss,
@@ -166,9 +166,8 @@ def test_batch_packing_and_logprob_gap():
 # -------------------------------------------------------------------- one step, any layout
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("grpo"), "llama", vocab_size=VOCAB,
-                                num_layers=4)
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("llama", vocab_size=VOCAB, num_layers=4)
 
 
 def _hf_logprobs(model, tokens: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,9 @@ from megatron_bubblespec.models.architecture import (
     load_checkpoint,
 )
 
+from conftest import TINY
+
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
 GOOD = json.dumps({"question": "What is 2 + 2?", "answer": "4"})
 
 
@@ -266,12 +267,10 @@ def test_every_problem_is_listed(tmp_path):
         check_checkpoint(tmp_path / "nothere")
 
 
-def test_pytorch_bin_weights_load(tmp_path):
+def test_pytorch_bin_weights_load(tiny_checkpoint, tmp_path):
     import torch
 
-    from megatron_bubblespec.models.architecture import make_tiny_checkpoint
-
-    source = make_tiny_checkpoint(tmp_path / "st", num_layers=1)
+    source = tiny_checkpoint(num_layers=1)
     spec, tensors = load_checkpoint(source)
     target = tmp_path / "bin"
     target.mkdir()
@@ -285,11 +284,9 @@ def test_pytorch_bin_weights_load(tmp_path):
 # ----------------------------------------------------------------------------- damaged files
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
+def tiny_model(tiny_checkpoint):
     """A real HF directory that fits configs/tiny.yaml (Llama, vocabulary 256, 2 layers)."""
-    from megatron_bubblespec.models.architecture import make_tiny_checkpoint
-
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-model") / "model")
+    return tiny_checkpoint()
 
 
 def _damage(tiny_model, tmp_path, name, change):

@@ -15,8 +15,9 @@ import pytest
 
 from megatron_bubblespec.loop.run_dir import RunDir
 
+from conftest import TINY
+
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
 
 SCRIPT = textwrap.dedent("""
     import logging, sys, warnings

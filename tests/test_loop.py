@@ -5,7 +5,6 @@ only in bubbles; corrupted drafts change nothing; config errors stop before any 
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,10 +16,9 @@ from megatron_bubblespec.loop.replica import build_replica
 from megatron_bubblespec.loop.step import run_step
 from megatron_bubblespec.loop.train import _shutdown, train
 
-pytestmark = pytest.mark.slow   # multi-process or real-model runs: minutes on 2 cores
+from conftest import TINY
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
+pytestmark = pytest.mark.slow   # multi-process or real-model runs: minutes on 2 cores
 
 
 def _cfg(tmp, name, *overrides):

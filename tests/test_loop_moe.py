@@ -20,9 +20,9 @@ from megatron_bubblespec.config import load_config
 from megatron_bubblespec.loop.checkpoint import COMPLETE
 from megatron_bubblespec.loop.train import train
 
+from conftest import QUIET, TINY, assert_on_off_identical
+
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
-QUIET = ("logging.progress=false", "logging.plot=false", "logging.tensorboard=false")
 STEPS = 3   # step 0 has nothing to verify; steps 1 and 2 verify drafts made in the bubbles before
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -68,20 +68,7 @@ def runs(checkpoints, tmp_path_factory):
 
 @pytest.mark.parametrize("layout", ON_AND_OFF)
 def test_on_and_off_identical(runs, layout):
-    on, off = runs[layout, "on"], runs[layout, "off"]
-    drafted = sum(r["spec/drafted_tokens"] for r in on["records"])
-    accepted = sum(r["spec/accepted_tokens"] for r in on["records"])
-    assert 0 < accepted < drafted, f"{layout}: drafts must be both accepted and rejected " \
-                                   f"({accepted} of {drafted} drafted tokens accepted)"
-    assert all(r["spec/drafted_tokens"] == 0 for r in off["records"])
-    assert len(on["rollouts"]) == len(off["rollouts"]) == STEPS
-    for step, (a, b) in enumerate(zip(on["rollouts"], off["rollouts"])):
-        assert a == b, f"{layout}, step {step}: rollout tokens differ between BubbleSpec on and off"
-    for a, b in zip(on["records"], off["records"]):
-        assert a["train/loss"] == b["train/loss"], layout
-    assert set(on["weights"]) == set(off["weights"])
-    for name, tensor in on["weights"].items():
-        assert torch.equal(tensor, off["weights"][name]), f"{layout}: final {name} differs"
+    assert_on_off_identical(runs[layout, "on"], runs[layout, "off"], layout, STEPS)
 
 
 def test_moe_weights_reach_the_engines_whole(runs, checkpoints):

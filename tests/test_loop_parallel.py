@@ -22,9 +22,9 @@ from megatron_bubblespec.distributed.launch import free_port
 from megatron_bubblespec.loop.checkpoint import COMPLETE
 from megatron_bubblespec.loop.train import train
 
+from conftest import QUIET, TINY, assert_on_off_identical
+
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
-QUIET = ("logging.progress=false", "logging.plot=false", "logging.tensorboard=false")
 # The module's runs (six layouts' runs, then a killed and resumed one) take minutes on 2 cores.
 pytestmark = pytest.mark.timeout(1800)
 STEPS = 3   # step 0 has nothing to verify; steps 1 and 2 verify drafts made in the bubbles before
@@ -70,20 +70,7 @@ def layout_runs(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ON_AND_OFF)
 def test_on_and_off_identical_at_tp_and_pp(layout_runs, layout):
-    on, off = layout_runs[layout, "on"], layout_runs[layout, "off"]
-    drafted = sum(r["spec/drafted_tokens"] for r in on["records"])
-    accepted = sum(r["spec/accepted_tokens"] for r in on["records"])
-    assert 0 < accepted < drafted, f"{layout}: drafts must be both accepted and rejected " \
-                                   f"({accepted} of {drafted} drafted tokens accepted)"
-    assert all(r["spec/drafted_tokens"] == 0 for r in off["records"])
-    assert len(on["rollouts"]) == len(off["rollouts"]) == STEPS
-    for step, (a, b) in enumerate(zip(on["rollouts"], off["rollouts"])):
-        assert a == b, f"{layout}, step {step}: rollout tokens differ between BubbleSpec on and off"
-    for a, b in zip(on["records"], off["records"]):
-        assert a["train/loss"] == b["train/loss"], layout
-    assert set(on["weights"]) == set(off["weights"])
-    for name, tensor in on["weights"].items():
-        assert torch.equal(tensor, off["weights"][name]), f"{layout}: final {name} differs"
+    assert_on_off_identical(layout_runs[layout, "on"], layout_runs[layout, "off"], layout, STEPS)
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import torch
 
 from megatron_bubblespec.distributed import destroy_distributed, init_distributed, megatron_cpu_mode
 from megatron_bubblespec.distributed.launch import launch_local
-from megatron_bubblespec.models.architecture import load_checkpoint, make_tiny_checkpoint
+from megatron_bubblespec.models.architecture import load_checkpoint
 from megatron_bubblespec.train.convert import bridge_name, megatron_to_hf, to_megatron
 from megatron_bubblespec.train.forward import gather_vocab, megatron_forward
 from megatron_bubblespec.train.model import build_gpt_model, padded_vocab_size
@@ -19,10 +19,9 @@ VOCAB = 250  # not a multiple of 128: exercises vocabulary padding
 
 
 @pytest.fixture(scope="module", params=[("llama", False), ("qwen2", True)], ids=["llama", "qwen2-tied"])
-def checkpoint(request, tmp_path_factory):
+def checkpoint(request, tiny_checkpoint):
     arch, tied = request.param
-    return make_tiny_checkpoint(tmp_path_factory.mktemp(arch), arch, vocab_size=VOCAB,
-                                num_layers=4, tie_word_embeddings=tied)
+    return tiny_checkpoint(arch, vocab_size=VOCAB, num_layers=4, tie_word_embeddings=tied)
 
 
 def _tokens():

@@ -15,7 +15,6 @@ from megatron_bubblespec.distributed import destroy_distributed, init_distribute
 from megatron_bubblespec.distributed.launch import launch_local
 from megatron_bubblespec.models.architecture import (
     load_checkpoint,
-    make_tiny_checkpoint,
     perturb_checkpoint,
 )
 from megatron_bubblespec.sampling.requests import RolloutRequest
@@ -41,9 +40,8 @@ MICRO_BATCH = 7      # 40 rows -> 6 micro-batches, the last one padded with 2 du
 # ------------------------------------------------------------------------------ checkpoints
 
 @pytest.fixture(scope="module")
-def target(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("target"), "llama", vocab_size=VOCAB,
-                                num_layers=4)
+def target(tiny_checkpoint):
+    return tiny_checkpoint("llama", vocab_size=VOCAB, num_layers=4)
 
 
 @pytest.fixture(scope="module")

@@ -10,18 +10,17 @@ from megatron_bubblespec.models.architecture import (
     CheckpointError,
     ModelSpec,
     check_checkpoint,
-    make_tiny_checkpoint,
 )
 from megatron_bubblespec.models.layout import check_expert_layout, experts_per_rank
 
 
 @pytest.fixture(scope="module")
-def moe_checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("moe"), "qwen3_moe", vocab_size=128)
+def moe_checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("qwen3_moe", vocab_size=128)
 
 
-def test_qwen3_families_are_read_from_transformers_configs(tmp_path, moe_checkpoint):
-    dense = check_checkpoint(make_tiny_checkpoint(tmp_path / "dense", "qwen3", vocab_size=128))
+def test_qwen3_families_are_read_from_transformers_configs(tiny_checkpoint, moe_checkpoint):
+    dense = check_checkpoint(tiny_checkpoint("qwen3", vocab_size=128))
     assert (dense.arch, dense.qk_norm, dense.qkv_bias, dense.is_moe) == \
         ("qwen3", True, False, False)
     moe = check_checkpoint(moe_checkpoint)

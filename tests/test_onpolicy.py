@@ -9,7 +9,7 @@ import torch
 
 from megatron_bubblespec.distributed import destroy_distributed, init_distributed, megatron_cpu_mode
 from megatron_bubblespec.distributed.launch import launch_local
-from megatron_bubblespec.models.architecture import load_checkpoint, make_tiny_checkpoint
+from megatron_bubblespec.models.architecture import load_checkpoint
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams, sample_key
 from megatron_bubblespec.sampling.requests import RolloutRequest
@@ -77,8 +77,8 @@ def _stale_head_worker(path):
 
 
 @pytest.fixture(scope="module")
-def steps(tmp_path_factory):
-    path = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama", vocab_size=VOCAB)
+def steps(tiny_checkpoint):
+    path = tiny_checkpoint("llama", vocab_size=VOCAB)
     return launch_local(_stale_head_worker, 1, path)[0]
 
 

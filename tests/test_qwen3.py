@@ -13,7 +13,7 @@ from megatron_bubblespec.distributed import (
     megatron_cpu_mode,
 )
 from megatron_bubblespec.distributed.launch import launch_local
-from megatron_bubblespec.models.architecture import load_checkpoint, make_tiny_checkpoint
+from megatron_bubblespec.models.architecture import load_checkpoint
 from megatron_bubblespec.train.forward import gather_vocab, megatron_forward
 from megatron_bubblespec.train.model import build_gpt_model
 from megatron_bubblespec.train.reshard import Resharder
@@ -32,9 +32,9 @@ MOE_NOTE = ("for Qwen3-MoE a logit gap beyond the float32 bound can also be a ro
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    return {arch: make_tiny_checkpoint(tmp_path_factory.mktemp(arch), arch, vocab_size=VOCAB,
-                                       num_layers=4) for arch in ("qwen3", "qwen3_moe")}
+def checkpoints(tiny_checkpoint):
+    return {arch: tiny_checkpoint(arch, vocab_size=VOCAB, num_layers=4)
+            for arch in ("qwen3", "qwen3_moe")}
 
 
 def _tokens():

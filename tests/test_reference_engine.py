@@ -6,7 +6,6 @@ import torch
 
 from megatron_bubblespec.models.architecture import (
     load_checkpoint,
-    make_tiny_checkpoint,
     perturb_checkpoint,
 )
 from megatron_bubblespec.sampling.requests import Proposals, RolloutRequest
@@ -21,13 +20,13 @@ PARAMS = [SamplingParams(0.0), SamplingParams(1.0), SamplingParams(0.8, top_k=20
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("llama"), "llama")
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("llama")
 
 
 @pytest.fixture(scope="module")
-def qwen2_tied(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("qwen2"), "qwen2", tie_word_embeddings=True)
+def qwen2_tied(tiny_checkpoint):
+    return tiny_checkpoint("qwen2", tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")

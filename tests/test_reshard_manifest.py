@@ -8,7 +8,7 @@ import torch
 
 from megatron_bubblespec.distributed import destroy_distributed, init_distributed, megatron_cpu_mode
 from megatron_bubblespec.distributed.launch import launch_local
-from megatron_bubblespec.models.architecture import load_checkpoint, make_tiny_checkpoint
+from megatron_bubblespec.models.architecture import load_checkpoint
 from megatron_bubblespec.train.model import build_gpt_model
 from megatron_bubblespec.train.reshard import Resharder
 from megatron_bubblespec.train.sharding import load_hf_weights
@@ -48,8 +48,8 @@ def _manifest_worker(path):
     return name, outcomes
 
 
-def test_a_changed_or_replaced_parameter_fails_the_transfer(tmp_path):
-    path = make_tiny_checkpoint(tmp_path / "tiny", "llama", vocab_size=128, num_layers=2)
+def test_a_changed_or_replaced_parameter_fails_the_transfer(tiny_checkpoint):
+    path = tiny_checkpoint("llama", vocab_size=128, num_layers=2)
     name, outcomes = launch_local(_manifest_worker, 1, path)[0]
     assert outcomes["intact"] == outcomes["restored"] > 0
     for change in ("dtype", "shape"):

@@ -20,11 +20,11 @@ from megatron_bubblespec.loop.heartbeat import EXIT_PREEMPTED, read_heartbeat
 from megatron_bubblespec.loop.run_dir import RunDir
 from megatron_bubblespec.loop.train import train
 
+from conftest import QUIET, TINY
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
-QUIET = ["logging.progress=false", "logging.plot=false", "logging.tensorboard=false"]
 
 
 def _overrides(tmp, name, *extra):

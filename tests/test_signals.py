@@ -20,8 +20,9 @@ import pytest
 from megatron_bubblespec.loop.heartbeat import EXIT_PREEMPTED, lost_work, read_heartbeat
 from megatron_bubblespec.loop.run_dir import RunDir
 
+from conftest import TINY
+
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ROOT / "configs" / "tiny.yaml"
 TERM = 128 + signal.SIGTERM
 
 # A rank in stage STAGE of step 1 (step 0 done, complete checkpoint step_1 absent) gets SIGTERM and

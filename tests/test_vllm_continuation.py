@@ -22,7 +22,6 @@ import torch
 
 pytest.importorskip("vllm")
 
-from megatron_bubblespec.models.architecture import make_tiny_checkpoint  # noqa: E402
 from megatron_bubblespec.rollout.reference import ReferenceEngine  # noqa: E402
 from megatron_bubblespec.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from megatron_bubblespec.sampling import SamplingParams, sample_key  # noqa: E402
@@ -41,10 +40,9 @@ PROMPT_LENGTHS = [3, 5, 8, 13, 21, 6]
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny_cont"), "llama", seed=0,
-                                vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4,
-                                num_kv_heads=2, head_dim=32, intermediate_size=128)
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint("llama", seed=0, vocab_size=VOCAB, hidden_size=64, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=32, intermediate_size=128)
 
 
 @pytest.fixture(scope="module")
