@@ -1,8 +1,8 @@
 """Run directory -> the same samples, same lengths, with plain vLLM sampling -> per-step timings.
 
-The baseline "faster" is measured against (docs/results/README.md, how the bench measures): the rollout users run
-today, vLLM's own sampler with no keyed logits processor and no drafts. ``replay_plain(run_dir)``
-replays the BubbleSpec-off run of a bench:
+The baseline "faster" is measured against (docs/results/README.md, "How the bench measures"): the
+rollout users run today, vLLM's own sampler with no keyed logits processor and no drafts.
+``replay_plain(run_dir)`` replays the BubbleSpec-off run of a bench:
 
 * the same work: every step's prompts come from the run's task and lookahead sampler (the same
   seed, so the same prompt per global sample index and the same DP-rank blocks), and every sample
@@ -31,8 +31,8 @@ logprob), so plain vs off isolates the keyed draw. Rollout tensor parallelism is
 (``rollout.tensor_parallel=1`` only: an engine of one rank per share).
 
 Output: one step record per step (``rollout/time_s``, ``rollout/tokens``, ``rollout/engine_steps``,
-``rollout/decode_steps``, and per engine ``rank<e>/rollout/time_s``), plus the tokens plain vLLM drew;
-``replay_plain(run_dir, out_dir)`` also stores both as a run directory (metrics.jsonl,
+``rollout/decode_steps``, and per engine ``rank<e>/rollout/time_s``), plus the tokens plain vLLM
+drew; ``replay_plain(run_dir, out_dir)`` also stores both as a run directory (metrics.jsonl,
 rollouts.jsonl). ``rank<e>`` is the engine's global index, as in the run's per-engine metrics.
 """
 
