@@ -68,7 +68,7 @@ def bubble(lengths: np.ndarray, ranks: int, groups: int, deals: int, seed: int) 
     return float(np.mean(out))
 
 
-def summary(lengths: np.ndarray, rewards: np.ndarray, budget: int, ranks: int, groups: int,
+def summary(lengths: np.ndarray, rewards: np.ndarray, budget: int, ranks: list[int], groups: int,
             seed: int) -> dict:
     flat = lengths.ravel()
     total = flat.var()
@@ -79,39 +79,63 @@ def summary(lengths: np.ndarray, rewards: np.ndarray, budget: int, ranks: int, g
             "at_budget": float((flat >= budget).mean()),
             "prompt_share_of_variance": float(between / total) if total else 0.0,
             "reward_mean": float(rewards.mean()),
-            "bubble": bubble(lengths, ranks, groups, deals=2000, seed=seed)}
+            "bubble": {str(n): bubble(lengths, n, groups, deals=2000, seed=seed) for n in ranks}}
 
 
 def markdown(rows: list[dict], args) -> str:
     head = ("| candidate (task, T, top-p) | mean | p50 | p90 | p99 | max | at budget | "
-            "prompt's share of variance | reward | bubble |")
-    lines = [head, "|" + "---|" * 10]
+            "prompt's share of variance | reward | "
+            + " | ".join(f"bubble, {n} ranks" for n in args.ranks) + " |")
+    lines = [head, "|" + "---|" * (9 + len(args.ranks))]
     for r in rows:
         s = r["summary"]
         lines.append(f"| {r['candidate']} | {s['mean']:.0f} | {s['p50']:.0f} | {s['p90']:.0f} | "
                      f"{s['p99']:.0f} | {s['max']} | {s['at_budget']:.1%} | "
                      f"{s['prompt_share_of_variance']:.1%} | {s['reward_mean']:.3f} | "
-                     f"{s['bubble']:.1%} |")
+                     + " | ".join(f"{s['bubble'][str(n)]:.1%}" for n in args.ranks) + " |")
     lines.append("")
     lines.append(f"{args.prompts} prompts x {args.samples} samples, budget {args.max_new_tokens}; "
-                 f"bubble: {args.ranks} ranks of {args.groups} prompts each.")
+                 f"bubble: ranks of {args.groups} prompt(s) each.")
     return "\n".join(lines) + "\n"
+
+
+def resummarize(args) -> None:
+    """survey.json's lengths -> survey.md with this invocation's ranks and groups (rewards kept)."""
+    saved = json.loads((args.out / "survey.json").read_text())
+    for key in ("prompts", "samples", "max_new_tokens", "seed"):   # as measured
+        setattr(args, key, saved["settings"][key])
+    for row in saved["rows"]:
+        lengths = np.asarray(row["lengths"])
+        row["summary"]["bubble"] = {str(n): bubble(lengths, n, args.groups, deals=2000,
+                                                   seed=args.seed) for n in args.ranks}
+    saved["settings"].update(ranks=args.ranks, groups=args.groups)
+    (args.out / "survey.json").write_text(json.dumps(saved) + "\n")
+    (args.out / "survey.md").write_text(markdown(saved["rows"], args))
+    print(markdown(saved["rows"], args))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("candidates", nargs="+", type=candidate, help="task:temperature:top_p")
+    parser.add_argument("candidates", nargs="*", type=candidate, help="task:temperature:top_p")
     parser.add_argument("--out", type=Path, required=True, help="directory for survey.json/.md")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=1024)
-    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4],
+                        help="data-parallel sizes to deal the prompts to (one bubble column each)")
     parser.add_argument("--groups", type=int, default=1, help="prompts per rank and step")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--summarize", action="store_true",
+                        help="recompute the table from --out's survey.json (no engine)")
     parser.add_argument("--kv-cache-gb", type=float, default=6.0,
                         help="room for every request at full length (SmolLM2: 46 kB a token), "
                              "so that none is preempted and recomputed")
     args = parser.parse_args()
+    if args.summarize:
+        resummarize(args)
+        return
+    if not args.candidates:
+        parser.error("name at least one candidate (task:temperature:top_p)")
     tokenizer = load_tokenizer()
     engine = VLLMEngine(smollm2_checkpoint(), max_model_len=args.max_new_tokens + 512,
                         seed=args.seed, kv_cache_memory_bytes=int(args.kv_cache_gb * 1e9))
