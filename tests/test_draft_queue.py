@@ -88,6 +88,28 @@ def test_the_stragglers_order_extends_the_running_drafts_first_longest_first():
         + [(5, 7)] + [(5, g) for g in round_robin[5] if g != 7])
 
 
+def test_refresh_lists_complete_drafts_of_older_weights_last_nearest_step_longest_first():
+    """With refresh, once the partial and undrafted samples are listed, the complete drafts made
+    by weights older than the bubble's follow, step by step, longest first; the complete drafts
+    the bubble's own weights made, and every complete draft without refresh, are left out."""
+    sampler = LookaheadSampler(0, 64, 2, dp_size=2, samples_per_prompt=2)
+    batches = [sampler.batch(4), sampler.batch(5)]
+    keys = {(b.step, g): 1000 * b.step + g for b in batches for g in range(b.num_samples)}
+    plain, refresh = _queue(1, 2, budget=8), _queue(1, 2, budget=8)
+    refresh.refresh = True
+    drafts = [Draft(4, 0, keys[4, 0], 2, (5, 2)),                   # complete, old weights
+              Draft(4, 1, keys[4, 1], 2, (5, 6, 7, 2)),             # complete, old, longer
+              Draft(4, 2, keys[4, 2], 3, (5, 6, 2)),                # complete, this bubble's weights
+              Draft(4, 3, keys[4, 3], 1, (5, 6)),                   # partial: extended, not refreshed
+              Draft(5, 0, keys[5, 0], 1, (5, 6, 7, 8, 9, 9, 9, 9))]  # complete at the budget
+    for queue in (plain, refresh):
+        queue.absorb(drafts, keys)
+    left = plain.left_to_draft(batches, weight_version=3)
+    assert left == plain.left_to_draft(batches) == refresh.left_to_draft(batches)
+    assert refresh.left_to_draft(batches, weight_version=3) == left + [(4, 1), (4, 0), (5, 0)]
+    assert refresh.left_to_draft(batches, weight_version=2) == left + [(5, 0)]
+
+
 def test_an_unknown_draft_order_is_refused():
     with pytest.raises(ValueError, match="draft order 'longest'"):
         DraftQueue(budget=4, eos_token_ids=(2,), vocab_size=100, order="longest")
@@ -121,6 +143,22 @@ def _policy(*overrides):
     queue = DraftQueue.from_config(cfg, _Task.eos_token_ids, vocab_size=100)
     return DraftingPolicy(cfg, SampleBook(_Task(), sampler, cfg.run.seed), queue,
                           ResponseMemory())
+
+
+def test_a_complete_draft_is_drafted_again_as_a_draft_to_verify_not_a_prefix():
+    """spec.refresh_drafts with the engine verifier: a complete draft goes to the engine as the
+    draft it verifies and proposes from (no prefix: the newer weights may diverge from it); a
+    partial one stays the prefix to extend; with the Megatron verifier nothing is refreshed."""
+    policy = _policy("spec.verifier=engine")
+    assert policy.queue.refresh and not _policy().queue.refresh
+    assert not _policy("spec.verifier=engine", "spec.refresh_drafts=false").queue.refresh
+    keys = policy.book.keys(1)
+    policy.absorb([Draft(1, 0, keys[1, 0], 0, (20, 21, 2)), Draft(1, 1, keys[1, 1], 0, (20, 21))])
+    complete, partial = policy.drafting_request((1, 0)), policy.drafting_request((1, 1))
+    assert complete.draft == [20, 21, 2] and complete.response_prefix == []
+    assert complete.proposals.drafts == [[20, 21, 2]] and complete.proposals.own == 0
+    assert partial.response_prefix == [20, 21] and partial.draft == []
+    assert complete.drafting and partial.drafting
 
 
 def test_the_policy_plans_each_sample_once_with_its_key_prompt_and_draft():
@@ -185,3 +223,28 @@ def test_claims_fill_free_slots_and_pace_the_prefill():
     paced = ClaimPolicy(chunk=2, in_flight=8, prefill_budget=25)
     assert claim(paced, 0) == [[1, 2], [3, 4]]   # 20 < 25 tokens: one more, then the budget
     assert claim(paced, 4) == [[5, 6]] and not paced.has_room(8) and paced.has_room(7)
+
+
+def test_an_aborted_refresh_never_shortens_the_draft_it_agrees_with():
+    """The bubble's results of refresh requests: finished -> the new draft (its tokens past the
+    old draft's counted as new); cut by the barrier while still agreeing with the old draft ->
+    nothing (the old draft stays); cut after diverging -> the new, partial draft."""
+    from megatron_bubblespec.sampling.requests import RolloutResult
+    from megatron_bubblespec.spec.bubble import BubbleDrafter, BubbleStats
+
+    drafter = BubbleDrafter(None, 2, None, None, None)
+    old = (5, 6, 7, 8, 2)
+
+    def result(rid, tokens, reason):
+        return RolloutResult(rid, list(tokens), [0.0] * len(tokens), len(tokens), reason)
+
+    pending = {f"r{i}": ((4, i), 100 + i, 0, 3, old) for i in range(3)}
+    pending["x"] = ((4, 9), 109, 2, 3, ())                     # an extension, not a refresh
+    stats = BubbleStats()
+    drafts = drafter._collect([result("r0", (5, 6, 9, 2), "eos"),
+                               result("r1", (5, 6, 7), "aborted"),
+                               result("r2", (5, 6, 1), "aborted"),
+                               result("x", (5, 6, 7), "aborted")], pending, 7, stats)
+    assert [(d.sample_index, d.tokens, d.weight_version) for d in drafts] == [
+        (0, (5, 6, 9, 2), 7), (2, (5, 6, 1), 7), (9, (5, 6, 7), 7)]
+    assert stats.refreshed == 2 and stats.new_tokens == 2 + 1 + 1 and not pending

@@ -92,11 +92,13 @@ def test_every_layout_gives_the_dp2_tokens_on_its_engines(layout_runs, tiny_runs
 @pytest.mark.slow
 def test_drafts_verified_inside_each_engine_at_tensor_parallelism(layout_runs):
     """TP 2 x DP 2 with spec.verifier=engine: drafts accepted and cut inside the rollouts,
-    nothing verified before them (the tokens are checked against the DP 2 off run above)."""
+    complete drafts drafted again by newer weights, nothing verified before them (the tokens are
+    checked against the DP 2 off run above)."""
     records = layout_runs["tp2", "on"]["records"]
     drafted = sum(r["spec/drafted_tokens"] for r in records)
     accepted = sum(r["spec/accepted_tokens"] for r in records)
     assert 0 < accepted < drafted, (accepted, drafted)
+    assert sum(r["bubble/refreshed_drafts"] for r in records) > 0
     assert all(r["spec/verify_s"] == 0 for r in records)
 
 

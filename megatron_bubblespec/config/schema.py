@@ -116,6 +116,9 @@ class SpecConfig:
     max_match: int = 8
     barrier_timeout_s: float = field(default=600.0, metadata=OBSERVER)   # a watchdog
     draft_horizon: int = 3          # bubbles draft steps t+k .. t+k+H-1 (later ones fill the batch)
+    # a bubble with every draft complete re-drafts the ones older weights made, nearest step
+    # first, its engine verifying the old draft as proposals (spec.queue; engine verifier only)
+    refresh_drafts: bool = True
     # vLLM keeps its prefix cache across weight updates, salted per weight version for rollouts and
     # shared by drafting requests: a bubble extends a partial draft on the KV an earlier bubble left
     # (computed by older weights: only a proposal) instead of prefilling prompt + draft again

@@ -122,10 +122,11 @@ def bubble(drafter: BubbleDrafter | None, policy: DraftingPolicy, step: int,
     ``spec.draft_horizon`` H > 1, the steps after it too: a step may hold fewer samples than the
     engine serves at about the cost of one engine step, so the later steps' samples fill the
     drafting batch and a long bubble drafts several steps ahead. A partial draft is extended by
-    the newer policy (the old draft is the request's prefix)."""
+    the newer policy (the old draft is the request's prefix); with ``spec.refresh_drafts``, a
+    complete one made by older weights is drafted again once nothing else is left."""
     if drafter is None:
         return None
-    samples = policy.to_draft(step)
+    samples = policy.to_draft(step, version)
     drafts, stats = drafter.arrive_and_draft(step, samples, policy.drafting_request, version)
     drafter.engine.release()
     return drafts, bubble_metrics(stats, bool(samples))

@@ -29,6 +29,7 @@ def bubble_metrics(stats: BubbleStats, drafted_anything: bool) -> dict:
             "bubble/draftable_s": stats.idle_s if drafted_anything else 0.0,
             "bubble/engine_steps": stats.engine_steps,
             "bubble/new_tokens": stats.new_tokens,
+            "bubble/refreshed_drafts": stats.refreshed,
             "bubble/prefill_tokens": stats.prefill_tokens}
 
 

@@ -93,6 +93,7 @@ _METRICS = [
     Metric("bubble/draftable_s", SUM, seconds, "idle engine-seconds with a next step to draft"),
     Metric("bubble/engine_steps", SUM, count, "engine steps run in the bubble"),
     Metric("bubble/new_tokens", SUM, count, "new draft tokens"),
+    Metric("bubble/refreshed_drafts", SUM, count, "complete drafts drafted again by newer weights"),
     Metric("bubble/prefill_tokens", SUM, count, "tokens prefilled for drafting"),
     Metric("spec/drafted_samples", SUM, count, "samples with a draft"),
     Metric("spec/drafted_tokens", SUM, count, "drafted tokens", "drafts\ntok",
@@ -156,7 +157,8 @@ _METRICS = [
 ]
 # Kept per engine as ``rank{r}/<name>``, in this order (ratios recomputed per engine).
 _PER_ENGINE = ("bubble/idle_s", "bubble/drafting_s", "bubble/overshoot_s", "bubble/draftable_s",
-               "bubble/engine_steps", "bubble/new_tokens", "bubble/prefill_tokens",
+               "bubble/engine_steps", "bubble/new_tokens", "bubble/refreshed_drafts",
+               "bubble/prefill_tokens",
                "bubble/ratio", "bubble/utilization", "rollout/engine_steps", "rollout/time_s",
                "spec/drafted_tokens", "memory/rss_peak_gb")
 

@@ -44,6 +44,7 @@ class BubbleStats:
     drafted_tokens: int = 0
     engine_steps: int = 0
     new_tokens: int = 0          # tokens this bubble added to the drafts (beyond their prefixes)
+    refreshed: int = 0           # complete drafts of older weights drafted again
     prefill_tokens: int = 0      # prompt + earlier-draft tokens the claimed requests prefilled
     last_to_arrive: bool = False
 
@@ -82,8 +83,8 @@ class BubbleDrafter:
             return drafts, stats
         cursor = _Cursor(self.store, self._key("cursor", step), samples, self.claims.chunk,
                          next_request)
-        # request id -> (sample, key, prefix length, prompt length)
-        pending: dict[str, tuple[SampleId, int, int, int]] = {}
+        # request id -> (sample, key, prefix length, prompt length, the draft it refreshes)
+        pending: dict[str, tuple[SampleId, int, int, int, tuple[int, ...]]] = {}
         self.computed = {s: n for s, n in self.computed.items() if s[0] > step}
         while self.store.add(arrive, 0) < self.num_engines:
             self._check_timeout(step, arrive, arrived_at)
@@ -115,8 +116,9 @@ class BubbleDrafter:
 
     def _claim(self, cursor: _Cursor, pending: dict, stats: BubbleStats) -> None:
         """This engine step's claims (``ClaimPolicy``) -> requests added to the engine."""
-        def prefill(chunk) -> int:
-            tokens = [len(r.prompt_token_ids) + len(r.response_prefix) for _, r in chunk]
+        def prefill(chunk) -> int:   # a refresh runs its old draft through a forward too
+            tokens = [len(r.prompt_token_ids) + len(r.response_prefix) + len(r.draft)
+                      for _, r in chunk]
             stats.prefill_tokens += sum(tokens)
             return sum(max(n - self.computed.get(sample, 0), 0)
                        for n, (sample, _) in zip(tokens, chunk))
@@ -124,21 +126,40 @@ class BubbleDrafter:
         for chunk in self.claims.claim(len(pending), cursor.next_chunk, prefill):
             stats.claimed_samples += len(chunk)
             pending.update({r.request_id: (sample, r.key, len(r.response_prefix),
-                                           len(r.prompt_token_ids)) for sample, r in chunk})
+                                           len(r.prompt_token_ids), tuple(r.draft))
+                            for sample, r in chunk})
             self.engine.add([r for _, r in chunk], self.params)
 
     def _collect(self, results: list[RolloutResult],
-                 pending: dict[str, tuple[SampleId, int, int, int]], weight_version: int,
-                 stats: BubbleStats) -> list[Draft]:
+                 pending: dict[str, tuple[SampleId, int, int, int, tuple[int, ...]]],
+                 weight_version: int, stats: BubbleStats) -> list[Draft]:
         out = []
         for r in results:
             claimed = pending.pop(r.request_id, None)
-            if claimed is not None:
-                (step, index), key, prefix, prompt = claimed
-                stats.new_tokens += max(len(r.token_ids) - prefix, 0)
-                self.computed[(step, index)] = prompt + len(r.token_ids)
-                out.append(Draft(step, index, key, weight_version, tuple(r.token_ids)))
+            if claimed is None:
+                continue
+            (step, index), key, prefix, prompt, old = claimed
+            tokens = tuple(r.token_ids)
+            self.computed[(step, index)] = prompt + len(tokens)
+            if old:
+                # an unfinished refresh that still agrees with the old draft would only shorten
+                # it: the old draft stays
+                if not r.finished and tokens == old[:len(tokens)]:
+                    continue
+                stats.refreshed += 1
+                prefix = _common_prefix(tokens, old)
+            stats.new_tokens += max(len(tokens) - prefix, 0)
+            out.append(Draft(step, index, key, weight_version, tokens))
         return out
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 class _Cursor:

@@ -77,17 +77,23 @@ class DraftingPolicy:
         the same on every rank."""
         return self.queue.target_steps(step) if self.bubble_drafts else []
 
-    def to_draft(self, step: int) -> list[SampleId]:
-        """The samples step ``step``'s bubble drafts, in the order the cursor hands them out."""
-        return self.queue.left_to_draft([self.book.batch(t) for t in self.drafted_steps(step)])
+    def to_draft(self, step: int, weight_version: int | None = None) -> list[SampleId]:
+        """The samples step ``step``'s bubble drafts with weights ``weight_version``, in the order
+        the cursor hands them out (complete drafts of older weights last, to refresh)."""
+        return self.queue.left_to_draft([self.book.batch(t) for t in self.drafted_steps(step)],
+                                        weight_version)
 
     def drafting_request(self, sample: SampleId) -> RolloutRequest:
         """A sample's drafting request: its prompt and key, the draft budget, and the sample's
-        earlier partial draft as a prefix to extend."""
+        earlier draft: a partial one as a prefix to extend, a complete one (a refresh) as the
+        draft the engine verifies and proposes from."""
         request = self.book.sample(*sample).request(self.queue.budget, "draft")
         request.drafting = True   # no logprobs over its old part; may extend on cached KV
         earlier = self.queue.get(*sample)
-        if earlier is not None:   # extend it; a prefix may hold no EOS (a corrupted draft might)
+        if earlier is not None and self.queue.is_complete(earlier):
+            request.draft = list(earlier.tokens)
+            request.proposals = Proposals([list(earlier.tokens)], own=0)
+        elif earlier is not None:   # a prefix may hold no EOS (a corrupted draft might)
             kept, ended = settle_eos(earlier.tokens, self.queue.eos_token_ids)
             request.response_prefix = list(earlier.tokens[:kept - ended])
         return request

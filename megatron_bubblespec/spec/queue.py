@@ -13,6 +13,13 @@ rollout a little rather than one engine's a lot: the step waits for the slowest 
 come first, longest first, then the undrafted ones round-robin. A draft that ran to EOS or to the
 draft budget is complete and not drafted again (its slot in the drafting batch goes to the next
 sample in order); a partial one is extended by a later bubble's newer policy.
+
+With ``refresh`` (``spec.refresh_drafts``), once nothing is left to draft a bubble re-drafts the
+complete drafts that older weights made, after the samples above: nearest step first, longest
+first within a step. A long response drafted several steps ahead diverges from the policy that
+verifies it somewhere, and everything after the divergence is lost; re-drafted by the newest
+weights (which verify the old draft as proposals, so the part they agree with costs few engine
+steps), it is one update stale instead of several.
 """
 
 from __future__ import annotations
@@ -29,10 +36,10 @@ SampleId = tuple[int, int]   # (step, global sample index within the step)
 class DraftQueue:
     def __init__(self, *, budget: int, eos_token_ids: Sequence[int], vocab_size: int,
                  lookahead: int = 1, horizon: int = 1, num_steps: int | None = None,
-                 engines_per_replica: int = 1, order: str = "engines"):
+                 engines_per_replica: int = 1, order: str = "engines", refresh: bool = False):
         if order not in DRAFT_ORDERS:
             raise ValueError(f"draft order {order!r}: expected one of {DRAFT_ORDERS}")
-        self.order = order
+        self.order, self.refresh = order, refresh
         self.budget, self.eos_token_ids = budget, tuple(eos_token_ids)
         self.vocab_size, self.lookahead, self.horizon = vocab_size, lookahead, horizon
         self.num_steps, self.engines_per_replica = num_steps, engines_per_replica
@@ -45,7 +52,9 @@ class DraftQueue:
         return cls(budget=min(s.max_draft_tokens, cfg.rollout.max_new_tokens),
                    eos_token_ids=eos_token_ids, vocab_size=vocab_size,
                    lookahead=cfg.ablation.draft_lookahead, horizon=s.draft_horizon, num_steps=cfg.run.steps,
-                   engines_per_replica=engines_per_replica, order=cfg.ablation.draft_order)
+                   engines_per_replica=engines_per_replica, order=cfg.ablation.draft_order,
+                   refresh=s.refresh_drafts and s.verifier == "engine"
+                   and cfg.rollout.engine == "vllm")   # the engine verifies the old draft
 
     # ------------------------------------------------------------------ what to draft
     def target_steps(self, step: int) -> list[int]:
@@ -62,17 +71,23 @@ class DraftQueue:
         return draft is not None and bool(draft.tokens) and (
             len(draft.tokens) >= self.budget or draft.tokens[-1] in self.eos_token_ids)
 
-    def left_to_draft(self, batches: Iterable) -> list[SampleId]:
+    def left_to_draft(self, batches: Iterable, weight_version: int | None = None) -> list[SampleId]:
         """The samples of ``batches`` (``data.lookahead.StepBatch``, in step order) still to
-        draft, in drafting order (``ablation.draft_order``: see the module docstring)."""
-        samples = []
+        draft, in drafting order (``ablation.draft_order``: see the module docstring); with
+        ``refresh``, then the complete drafts made by weights older than ``weight_version``."""
+        samples, stale = [], []
         for batch in batches:
-            left = [g for g in drafting_order(batch, self.engines_per_replica)
-                    if not self.is_complete(self.get(batch.step, g))]
+            order = drafting_order(batch, self.engines_per_replica)
+            left = [g for g in order if not self.is_complete(self.get(batch.step, g))]
             if self.order == "stragglers":   # stable: engine order among equal draft lengths
                 left.sort(key=lambda g: -self.drafted_tokens(batch.step, g))
             samples += [(batch.step, g) for g in left]
-        return samples
+            if self.refresh and weight_version is not None:
+                old = [g for g in order if g not in left
+                       and self.get(batch.step, g).weight_version < weight_version]
+                old.sort(key=lambda g: -self.drafted_tokens(batch.step, g))
+                stale += [(batch.step, g) for g in old]
+        return samples + stale
 
     def drafted_tokens(self, step: int, sample_index: int) -> int:
         draft = self.get(step, sample_index)
