@@ -158,6 +158,7 @@ def build_replica(cfg: Config) -> Replica:
     with megatron_cpu_mode():
         model = build_gpt_model(spec, params_dtype=dtype, **model_parallel_options(cfg))
         load_hf_weights(model, spec, tensors)
+    del tensors   # the engine reads its own copy: free this one before it loads
     t = cfg.train
     trainer = MegatronTrainer(model, spec, TrainerConfig(
         lr=t.lr, weight_decay=t.weight_decay, clip_grad=t.clip_grad,

@@ -131,7 +131,11 @@ def build_gpt_model(spec: ModelSpec, *, params_dtype: torch.dtype = torch.float3
     if _transformer_engine_available():
         layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**layers)
     else:
+        from megatron_bubblespec.train.attention import FusedCoreAttention
+
         layer_spec = gpt_layer_specs.get_gpt_layer_local_spec(normalization="RMSNorm", **layers)
+        # no s x s probabilities kept per layer (train.attention)
+        layer_spec.submodules.self_attention.submodules.core_attention = FusedCoreAttention
     return GPTModel(
         config=config, transformer_layer_spec=layer_spec,
         vocab_size=padded_vocab_size(spec.vocab_size, ps.get_tensor_model_parallel_world_size(),
