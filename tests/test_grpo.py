@@ -441,3 +441,25 @@ def test_kl_penalty_pulls_towards_the_frozen_initial_policy(checkpoint, batch):
     free_kl = [kl_to_reference(logp) for logp in free_after]
     tied_kl = [kl_to_reference(logp) for logp in tied_after]
     assert tied_kl[-1] < 0.9 * free_kl[-1], (tied_kl, free_kl)
+
+
+def _entropy_worker(tp: int):
+    from megatron.core import parallel_state as ps
+
+    from megatron_bubblespec.train.logprobs import ENTROPY_CHUNK, _entropy
+
+    init_distributed(tp, 1, seed=5)
+    full = torch.randn(2, 2 * ENTROPY_CHUNK + 7, 40, generator=torch.Generator().manual_seed(1))
+    shard = full.chunk(tp, dim=-1)[ps.get_tensor_model_parallel_rank()]
+    entropy = _entropy(shard)
+    destroy_distributed()
+    return entropy, torch.distributions.Categorical(logits=full).entropy()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_entropy_metric_over_chunks_and_vocab_shards(tp):
+    """train.logprobs._entropy, a chunk of positions at a time over a vocabulary split by TP, is
+    the entropy of the whole distribution at every position."""
+    for entropy, expected in launch_local(_entropy_worker, tp, tp):
+        torch.testing.assert_close(entropy, expected, rtol=1e-5, atol=1e-5)

@@ -52,6 +52,30 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, vocab_size: int,
             None if entropy is None else torch.nn.functional.pad(entropy, (1, 0)))
 
 
+ENTROPY_CHUNK = 256   # positions at a time: the metric's temporaries stay a few MB, not GB
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Vocab-parallel logits [b, s, V/TP] -> the entropy at each position [b, s] (no gradient),
+    a chunk of positions at a time: each chunk's temporaries are three [b, chunk, V/TP] copies."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    parts = []
+    with torch.no_grad():
+        for start in range(0, logits.shape[1], ENTROPY_CHUNK):
+            shifted = logits[:, start:start + ENTROPY_CHUNK].float()
+            peak = shifted.max(dim=-1, keepdim=True).values
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+            shifted = shifted - peak
+            weights = torch.exp(shifted)
+            sums = torch.stack([weights.sum(-1),
+                                torch.where(weights > 0, weights * shifted, 0.0).sum(-1)])
+            dist.all_reduce(sums, group=group)
+            parts.append(torch.log(sums[0]) - sums[1] / sums[0])
+    return torch.cat(parts, dim=1)
+
+
 def label_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Vocab-parallel logits [b, s, V/TP] -> log p(labels[:, j]) from the logits at j [b, s] (and
@@ -62,19 +86,7 @@ def label_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
     padding = _vocab_shard_padding(logits, vocab_size)
     logits = logits.masked_fill(padding, float("-inf")) if padding is not None else logits
     logits = logits.contiguous()
-    entropy = None
-    if with_entropy:
-        with torch.no_grad():
-            group = ps.get_tensor_model_parallel_group()
-            shifted = logits.float()
-            peak = shifted.max(dim=-1, keepdim=True).values
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-            shifted = shifted - peak
-            weights = torch.exp(shifted)
-            sums = torch.stack([weights.sum(-1),
-                                torch.where(weights > 0, weights * shifted, 0.0).sum(-1)])
-            dist.all_reduce(sums, group=group)
-            entropy = torch.log(sums[0]) - sums[1] / sums[0]
+    entropy = _entropy(logits) if with_entropy else None
     # vocab_parallel_cross_entropy overwrites its input: ``logits`` is a copy made above, or (one
     # sequence, no padding) the model output (or a view of it) that nothing reads afterwards.
     return -vocab_parallel_cross_entropy(logits, labels), entropy
