@@ -627,3 +627,31 @@ def test_a_prefix_without_its_logprobs_keeps_the_tokens(plain_engine, plain, pro
         assert all(x != x for x in r.logprobs[:c])   # NaN
         assert max((abs(a - b) for a, b in zip(r.logprobs[c:], w.logprobs[c:])),
                    default=0.0) <= LOGPROB_TOL
+
+
+@pytest.fixture(scope="module")
+def verifying_engine(checkpoint):
+    engine = VLLMEngine(checkpoint, max_model_len=512, seed=0, speculative_continuation=True,
+                        spec_k=SPEC_K, spec_min_match=2, spec_max_match=8, verify_drafts=True)
+    yield engine
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("kind", ["true", "corrupted"])
+def test_a_refreshed_draft_is_the_weights_own_keyed_decoding(verifying_engine, plain, prompts,
+                                                            keys, kind):
+    """A bubble's refresh (spec.refresh_drafts): a drafting request carrying a complete earlier
+    draft, which the engine verifies and proposes from, gives exactly what these weights draw
+    from scratch, in fewer decode steps where the earlier draft agrees."""
+    want = plain["T1"]
+    rng = random.Random(5)
+    requests = _requests(f"refresh-{kind}", prompts, keys)
+    for request, response in zip(requests, want):
+        old = list(response.token_ids) if kind == "true" else _corrupt(response.token_ids, 7, rng)
+        request.drafting, request.draft = True, old
+        request.proposals = Proposals([old], own=0)
+    got = verifying_engine.generate(requests, PARAMS["T1"])
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.token_ids == w.token_ids, f"{kind}: request {i} tokens differ"
+    steps = sum(r.decode_steps for r in got)
+    assert steps < sum(len(w.token_ids) for w in want) / (4 if kind == "true" else 1), steps
