@@ -3,10 +3,10 @@ Megatron's local core attention without the s x s probabilities kept for backwar
 
 Megatron's local ``DotProductAttention`` (the layer spec used when Transformer Engine is absent,
 as on CPU) materialises every layer's [b, heads, s, s] attention probabilities and keeps them for
-the backward pass: at SmolLM2's 9 heads and a 1,200-token sequence, 52 MB a layer, 1.6 GB over 30
-layers, the largest part of a training rank's memory on long responses. ``FusedCoreAttention``
-computes the same causal softmax attention with ``torch.nn.functional.scaled_dot_product_attention``
-(flash attention on CPU and GPU), which keeps only each row's log-sum-exp. Whatever it does not
+the backward pass, the largest part of a training rank's memory on long responses
+(docs/results/memory.md). ``FusedCoreAttention`` computes the same causal softmax attention with
+``torch.nn.functional.scaled_dot_product_attention``, whose fused kernels keep only each row's
+log-sum-exp. Whatever it does not
 cover (an explicit mask or bias, packed sequences, sliding windows, dropout, query-key layer
 scaling, a learnable softmax offset) goes to Megatron's own implementation.
 """

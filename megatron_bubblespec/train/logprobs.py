@@ -80,7 +80,6 @@ def label_logprobs(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int,
                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Vocab-parallel logits [b, s, V/TP] -> log p(labels[:, j]) from the logits at j [b, s] (and
     the entropies at j): ``token_logprobs`` without the shift, for sequences split over CP."""
-    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
     padding = _vocab_shard_padding(logits, vocab_size)
