@@ -142,12 +142,12 @@ class BubbleDrafter:
             tokens = tuple(r.token_ids)
             self.computed[(step, index)] = prompt + len(tokens)
             if old:
+                prefix = _common_prefix(tokens, old)
                 # an unfinished refresh that still agrees with the old draft would only shorten
                 # it: the old draft stays
-                if not r.finished and tokens == old[:len(tokens)]:
+                if not r.finished and prefix == len(tokens):
                     continue
                 stats.refreshed += 1
-                prefix = _common_prefix(tokens, old)
             stats.new_tokens += max(len(tokens) - prefix, 0)
             out.append(Draft(step, index, key, weight_version, tokens))
         return out
