@@ -89,6 +89,7 @@ def test_golden_draws(params):
     assert draws == GOLDEN_DRAWS[params]
 
 
+@pytest.mark.slow   # loading the extension runs ninja (a build on the first use)
 def test_golden_noise_bits_of_the_cpp_scan():
     """The C++ scan of the sparse draw (``sampling.hash_kernel``) computes the same words: bounds
     that keep every token make it return each row's every word."""
