@@ -34,11 +34,12 @@ LAYOUTS = {   # name -> (overrides, engines); every layout runs 4 ranks
     "pp2": (("parallel.pipeline=2", "parallel.data=2", "ablation.draft_order=stragglers"), 4),
     # with each engine verifying its share's drafts inside its rollout, and bubbles taking new
     # drafting requests only up to 32 prefill tokens an engine step (spec.draft_prefill_tokens);
-    # drafts of half a response complete early, and a fourth step gives the bubbles of steps 1
-    # and 2 complete drafts of older weights to draft again (spec.refresh_drafts); at most 48
-    # tokens an engine step, so that verification is split over steps (rollout.max_num_batched_tokens)
+    # drafts of 8 tokens complete early, and a fourth step gives the bubbles of steps 1 and 2
+    # complete drafts of older weights to draft again (spec.refresh_drafts: with drafts of half a
+    # response, some runs had no time left to refresh); at most 48 tokens an engine step, so
+    # that verification is split over steps (rollout.max_num_batched_tokens)
     "tp2": (("parallel.tensor=2", "parallel.data=2", "spec.verifier=engine",
-             "spec.draft_prefill_tokens=32", "spec.max_draft_tokens=24", "run.steps=4",
+             "spec.draft_prefill_tokens=32", "spec.max_draft_tokens=8", "run.steps=4",
              "rollout.max_num_batched_tokens=48"), 4),
     "tp2-rollout-tp2": (("parallel.tensor=2", "parallel.data=2", "rollout.tensor_parallel=2"), 2),
     # replicas on consecutive ranks: each engine spans its replica's two pipeline stages

@@ -611,22 +611,29 @@ def test_a_cost_measured_at_start_up_sets_the_widths_and_keeps_the_tokens(measur
         plain_engine.measure_proposal_cost(4)
 
 
-def test_a_prefix_without_its_logprobs_keeps_the_tokens(plain_engine, plain, prompts, keys):
-    """Bubble drafts extend a partial draft and need no logprobs over it (vLLM would run a
-    full-vocabulary pass over every prefix position): NaN there, the same tokens and logprobs
-    after it."""
+@pytest.mark.parametrize("engine_name", ["plain_engine", "verifying_engine"])
+def test_a_drafting_request_asks_for_no_logprobs_and_keeps_the_tokens(request, engine_name, plain,
+                                                                     prompts, keys):
+    """Bubble drafts are tokens only: a drafting request extending a partial draft gets no
+    logprobs (vLLM would run a full-vocabulary pass over every prefix position, and a spec-decode
+    step two more copies of its logits), NaN in their place, and the same tokens; the same
+    requests as rollouts get the plain logprobs."""
+    engine = request.getfixturevalue(engine_name)
     want = plain["T1"]
     cuts = [0, 1, 5, 17, 30, MAX_NEW - 1]
-    requests = _requests("no-prefix-logprobs", prompts, keys,
-                         prefixes=[r.token_ids[:c] for r, c in zip(want, cuts)])
-    for request in requests:
-        request.drafting = True
-    got = plain_engine.generate(requests, PARAMS["T1"])
-    for r, w, c in zip(got, want, cuts):
+    prefixes = [r.token_ids[:c] for r, c in zip(want, cuts)]
+    drafts = _requests(f"drafting-{engine_name}", prompts, keys, prefixes=prefixes)
+    for draft in drafts:
+        draft.drafting = True
+    got = engine.generate(drafts, PARAMS["T1"])
+    for r, w in zip(got, want):
         assert r.token_ids == w.token_ids
-        assert all(x != x for x in r.logprobs[:c])   # NaN
-        assert max((abs(a - b) for a, b in zip(r.logprobs[c:], w.logprobs[c:])),
-                   default=0.0) <= LOGPROB_TOL
+        assert all(x != x for x in r.logprobs)   # NaN
+    rollouts = engine.generate(_requests(f"rollout-{engine_name}", prompts, keys,
+                                         prefixes=prefixes), PARAMS["T1"])
+    for r, w in zip(rollouts, want):
+        assert r.token_ids == w.token_ids
+        assert max(abs(a - b) for a, b in zip(r.logprobs, w.logprobs)) <= LOGPROB_TOL
 
 
 @pytest.fixture(scope="module")

@@ -279,7 +279,10 @@ class VLLMEngine(RolloutEngine):
             n=1, temperature=0.0,   # greedy: vLLM's sampler takes the token the processor forced
             max_tokens=max_tokens,
             stop_token_ids=list(request.eos_token_ids), ignore_eos=True,
-            logprobs=0, prompt_logprobs=0 if n_prefix and not request.drafting else None,
+            # a drafting request asks for none: vLLM's logprobs of a spec-decode step take two
+            # more full-vocabulary copies of its logits, and a batch of drafts needs none
+            logprobs=None if request.drafting else 0,
+            prompt_logprobs=0 if n_prefix and not request.drafting else None,
             detokenize=False, extra_args=self._extra_args(request, params, prefix_complete))
 
     def _extra_args(self, request: RolloutRequest, params: SamplingParams,

@@ -2,8 +2,8 @@
 
 vLLM returns every request's output so far at each step (``RequestOutput``, one completion).
 ``LiveRequest`` keeps what has been taken: the tokens generated after the fixed response prefix
-with their raw logprobs, the prefix's logprobs (from ``prompt_logprobs``, requested only for a
-prefix), and the engine steps that gave the request tokens (decode steps = those minus the
+with their raw logprobs (NaN for a drafting request, which asks for none), the prefix's logprobs
+(from ``prompt_logprobs``, requested only for a rollout's prefix), and the engine steps that gave the request tokens (decode steps = those minus the
 prefill's). A request whose prefix already ends the response (EOS, or the whole budget) is still
 submitted for the prefix's logprobs, and its generated token is dropped.
 """
@@ -47,7 +47,8 @@ class LiveRequest:
         for position in range(len(self.token_ids), len(token_ids)):
             token = token_ids[position]
             self.token_ids.append(token)
-            self.logprobs.append(completion.logprobs[position][token].logprob)
+            self.logprobs.append(math.nan if completion.logprobs is None   # not asked for
+                                 else completion.logprobs[position][token].logprob)
 
     def result(self, vllm_reason: str | None) -> RolloutResult:
         """The whole response, prefix included (``vllm_reason``: vLLM's finish reason, None or

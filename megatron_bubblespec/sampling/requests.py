@@ -49,9 +49,9 @@ class RolloutRequest:
     eos_token_ids: tuple[int, ...] = ()
     proposals: Proposals = field(default_factory=Proposals)
     draft: list[int] = field(default_factory=list)  # its own draft, verified inside the engine's forward
-    # a bubble's drafting request: its prefix is an earlier draft (no logprobs wanted over it) and
-    # it may reuse KV its prompt and prefix got under earlier weights (a draft is only a
-    # proposal); a rollout request never does either
+    # a bubble's drafting request: a draft is its tokens only, so no logprobs are wanted (an
+    # engine may return NaN), and it may reuse KV its prompt and prefix got under earlier weights
+    # (a draft is only a proposal); a rollout request never does either
     drafting: bool = False
 
     def __post_init__(self):
