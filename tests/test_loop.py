@@ -58,13 +58,13 @@ def engine_verified(tiny_runs):
 
 def test_drafts_verified_inside_the_rollout_give_the_off_run(engine_verified, runs):
     """The same identity with the drafts verified by the engines instead of Megatron: drafts
-    accepted and cut, complete drafts drafted again by newer weights (spec.refresh_drafts),
-    nothing verified before the rollout, and fewer decode steps."""
+    accepted and cut, nothing verified before the rollout, and fewer decode steps. This job's
+    bubbles last tens of milliseconds, so whether one refreshes a draft (spec.refresh_drafts) is
+    timing; test_loop_parallel's TP 2 x DP 2 layout, whose bubbles are longer, asserts it."""
     on, off = engine_verified, runs[1]
     drafted = sum(r["spec/drafted_tokens"] for r in on["records"])
     accepted = sum(r["spec/accepted_tokens"] for r in on["records"])
     assert 0 < accepted < drafted, (accepted, drafted)
-    assert sum(r["bubble/refreshed_drafts"] for r in on["records"]) > 0
     assert all(r["spec/verify_s"] == 0 for r in on["records"])
     for step, (a, b) in enumerate(zip(on["rollouts"], off["rollouts"])):
         assert a == b, f"step {step}: rollout tokens differ between in-rollout verification and off"

@@ -664,6 +664,9 @@ def test_a_refreshed_draft_is_the_weights_own_keyed_decoding(verifying_engine, p
     assert steps < sum(len(w.token_ids) for w in want) / (4 if kind == "true" else 1), steps
 
 
+BUDGET = 40   # tokens an engine step of the budgeted engine
+
+
 @pytest.fixture(scope="module")
 def budgeted_engine(checkpoint):
     """The factory's verifying engine with a small token budget a step (rollout.
@@ -675,9 +678,6 @@ def budgeted_engine(checkpoint):
                           spec_k=SPEC_K, spec_min_match=2, spec_max_match=8, verify_drafts=True)
     yield engine
     assert not engine.has_unfinished()
-
-
-BUDGET = 40
 
 
 @pytest.mark.parametrize("kind", ["true", "corrupted"])

@@ -231,6 +231,9 @@ class VLLMEngine(RolloutEngine):
         self.proposal_sources = tuple(proposal_sources)
         self.spec_token_cost = spec_token_cost
         self.verify_drafts, self.reuse_draft_kv = verify_drafts, reuse_draft_kv
+        # drafting requests get logprobs too: only to inspect what a draft was computed on (the
+        # KV it met), as a draft itself is its tokens only
+        self.drafting_logprobs = False
         self.model_path = Path(model_path)
         kwargs = _llm_arguments(
             self.model_path, dtype, kv_cache_memory_bytes, skip_tokenizer_init, seed=seed,
@@ -281,7 +284,7 @@ class VLLMEngine(RolloutEngine):
             stop_token_ids=list(request.eos_token_ids), ignore_eos=True,
             # a drafting request asks for none: vLLM's logprobs of a spec-decode step take two
             # more full-vocabulary copies of its logits, and a batch of drafts needs none
-            logprobs=None if request.drafting else 0,
+            logprobs=None if request.drafting and not self.drafting_logprobs else 0,
             prompt_logprobs=0 if n_prefix and not request.drafting else None,
             detokenize=False, extra_args=self._extra_args(request, params, prefix_complete))
 

@@ -3,9 +3,10 @@
 vLLM returns every request's output so far at each step (``RequestOutput``, one completion).
 ``LiveRequest`` keeps what has been taken: the tokens generated after the fixed response prefix
 with their raw logprobs (NaN for a drafting request, which asks for none), the prefix's logprobs
-(from ``prompt_logprobs``, requested only for a rollout's prefix), and the engine steps that gave the request tokens (decode steps = those minus the
-prefill's). A request whose prefix already ends the response (EOS, or the whole budget) is still
-submitted for the prefix's logprobs, and its generated token is dropped.
+(from ``prompt_logprobs``, requested only for a rollout's prefix), and the engine steps that gave
+the request tokens (decode steps = those minus the prefill's). A request whose prefix already
+ends the response (EOS, or the whole budget) is still submitted for the prefix's logprobs, and its
+generated token is dropped.
 """
 
 from __future__ import annotations
