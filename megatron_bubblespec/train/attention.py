@@ -6,9 +6,9 @@ as on CPU) materialises every layer's [b, heads, s, s] attention probabilities a
 the backward pass, the largest part of a training rank's memory on long responses
 (docs/results/memory.md). ``FusedCoreAttention`` computes the same causal softmax attention with
 ``torch.nn.functional.scaled_dot_product_attention``, whose fused kernels keep only each row's
-log-sum-exp. Whatever it does not
-cover (an explicit mask or bias, packed sequences, sliding windows, dropout, query-key layer
-scaling, a learnable softmax offset) goes to Megatron's own implementation.
+log-sum-exp. Whatever it does not cover (an explicit mask or bias, packed sequences, sliding
+windows, dropout, query-key layer scaling, a learnable softmax offset) goes to Megatron's own
+implementation.
 """
 
 from __future__ import annotations
