@@ -5,6 +5,7 @@ tiny-config runs (BubbleSpec on and off), made once per session."""
 import contextlib
 import multiprocessing.process
 import subprocess
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -144,3 +145,32 @@ def assert_on_off_identical(on: dict, off: dict, label: str, steps: int,
     assert set(on["weights"]) == set(off["weights"])
     for name, tensor in on["weights"].items():
         assert torch.equal(tensor, off["weights"][name]), f"{label}: final {name} differs"
+
+
+class OtherEngineArrives:
+    """A real engine inside a bubble, recording how many requests each engine step took on; the
+    step's other engine arrives at the barrier (in the one store), last, and closes it: after
+    ``steps`` engine steps, or (``steps=None``) once this engine has nothing left to run."""
+
+    def __init__(self, engine, store, step: int, steps: int | None = None,
+                 namespace: str = "bubblespec"):
+        self.engine, self.store, self.step_, self.steps = engine, store, step, steps
+        self.namespace, self.added, self.per_step = namespace, 0, []
+
+    def add(self, requests, params):
+        requests = list(requests)
+        self.added += len(requests)
+        self.engine.add(requests, params)
+
+    def step(self):
+        self.per_step.append(self.added)
+        self.added = 0
+        finished = self.engine.step()
+        if (len(self.per_step) == self.steps
+                or self.steps is None and not self.engine.has_unfinished()):
+            self.store.add(f"{self.namespace}/arrive/{self.step_}", 1)
+            self.store.set(f"{self.namespace}/closed/{self.step_}", repr(time.time()))
+        return finished
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)

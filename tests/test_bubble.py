@@ -16,6 +16,8 @@ from megatron_bubblespec.sampling import SamplingParams, sample_key
 from megatron_bubblespec.spec.bubble import BubbleDrafter
 from megatron_bubblespec.spec.claims import ClaimPolicy
 
+from conftest import OtherEngineArrives
+
 pytestmark = pytest.mark.slow   # multi-process or real-model runs: minutes on 2 cores
 
 NEXT_SAMPLES, DRAFT_TOKENS = 256, 400  # far more than a bubble can draft: drafts end partial
@@ -124,39 +126,13 @@ def test_a_drafting_rank_keeps_its_full_batch_in_flight(tiny):
     assert stats.prefill_tokens == (3 + 2) * stats.claimed_samples
 
 
-class _OtherEngineArrivesAfter:
-    """The real reference engine, recording how many requests each engine step took on; after
-    ``steps`` engine steps the step's other engine arrives at the barrier (in the one store), last,
-    and closes it."""
-
-    def __init__(self, engine, store, step, steps):
-        self.engine, self.store, self.step_, self.steps = engine, store, step, steps
-        self.added, self.per_step = 0, []
-
-    def add(self, requests, params):
-        requests = list(requests)
-        self.added += len(requests)
-        self.engine.add(requests, params)
-
-    def step(self):
-        self.per_step.append(self.added)
-        self.added = 0
-        if len(self.per_step) == self.steps:
-            self.store.add(f"bubblespec/arrive/{self.step_}", 1)
-            self.store.set(f"bubblespec/closed/{self.step_}", repr(time.time()))
-        return self.engine.step()
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-
 def _paced_bubble(path, budget, step, prefix_len, arrive_after, computed=None):
     store = dist.HashStore()
     store.set_timeout(datetime.timedelta(seconds=10))
     drafter = BubbleDrafter(store, 2, None, SamplingParams(1.0),
                             ClaimPolicy(chunk=1, in_flight=12, prefill_budget=budget))
     drafter.computed = dict(computed or {})
-    drafter.engine = _OtherEngineArrivesAfter(ReferenceEngine(path), store, step, arrive_after)
+    drafter.engine = OtherEngineArrives(ReferenceEngine(path), store, step, arrive_after)
 
     def next_request(sample):
         request = _next_request(sample)

@@ -60,7 +60,7 @@ def test_drafts_verified_inside_the_rollout_give_the_off_run(engine_verified, ru
     """The same identity with the drafts verified by the engines instead of Megatron: drafts
     accepted and cut, nothing verified before the rollout, and fewer decode steps. This job's
     bubbles last tens of milliseconds, so whether one refreshes a draft (spec.refresh_drafts) is
-    timing; test_loop_parallel's TP 2 x DP 2 layout, whose bubbles are longer, asserts it."""
+    timing; a bubble closed on cue refreshes in test_vllm_continuation."""
     on, off = engine_verified, runs[1]
     drafted = sum(r["spec/drafted_tokens"] for r in on["records"])
     accepted = sum(r["spec/accepted_tokens"] for r in on["records"])

@@ -664,6 +664,46 @@ def test_a_refreshed_draft_is_the_weights_own_keyed_decoding(verifying_engine, p
     assert steps < sum(len(w.token_ids) for w in want) / (4 if kind == "true" else 1), steps
 
 
+@pytest.mark.parametrize("close_after", [None, 2])
+def test_a_bubble_refreshes_complete_drafts_of_older_weights(verifying_engine, plain, prompts,
+                                                             keys, close_after):
+    """The bubble drafter handed complete drafts (true and corrupted) as refresh requests, the
+    barrier closing once they finish or after 2 engine steps: each returned draft is a prefix of
+    these weights' keyed decoding and counts as refreshed; a refresh cut while it still agrees
+    with the old draft is not returned (the old draft stays, longer)."""
+    import torch.distributed as dist
+
+    from megatron_bubblespec.spec.bubble import BubbleDrafter
+    from megatron_bubblespec.spec.claims import ClaimPolicy
+
+    from conftest import OtherEngineArrives
+
+    want, rng = plain["T1"], random.Random(11)
+    old = {(8, i): list(r.token_ids) if i % 2 else _corrupt(r.token_ids, 5, rng)
+           for i, r in enumerate(want)}
+    requests = dict(zip(old, _requests(f"bubble-refresh-{close_after}", prompts, keys)))
+    for sample, request in requests.items():
+        request.drafting, request.draft = True, old[sample]
+        request.proposals = Proposals([old[sample]], own=0)
+    store = dist.HashStore()
+    drafter = BubbleDrafter(store, 2, OtherEngineArrives(verifying_engine, store, 7, close_after),
+                            PARAMS["T1"], ClaimPolicy(chunk=2, in_flight=len(old)))
+    drafts, stats = drafter.arrive_and_draft(7, list(old), requests.__getitem__, weight_version=7)
+    assert stats.claimed_samples == len(old) and stats.refreshed == len(drafts)
+    for d in drafts:
+        full = want[d.sample_index].token_ids
+        assert list(d.tokens) == full[:len(d.tokens)], d.sample_index
+        assert d.weight_version == 7 and d.key == keys[d.sample_index]
+    if close_after is None:   # every refresh finished: these weights' whole responses
+        assert sorted(d.sample_index for d in drafts) == list(range(len(old)))
+        assert all(len(d.tokens) == len(want[d.sample_index].token_ids) for d in drafts)
+    else:   # cut: a refresh comes back finished or once it has left the old draft
+        cut = [d for d in drafts if len(d.tokens) < len(want[d.sample_index].token_ids)]
+        assert cut
+        assert all(list(d.tokens) != old[8, d.sample_index][:len(d.tokens)] for d in cut)
+    assert not verifying_engine.has_unfinished()
+
+
 BUDGET = 40   # tokens an engine step of the budgeted engine
 
 
