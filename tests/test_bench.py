@@ -293,3 +293,8 @@ def test_draft_length_coverage_and_utilization_of_drafting_bubbles():
     assert r["accept_per_token"] == pytest.approx(30 / 33)
     assert r["decode_steps_ratio_ceiling"] == pytest.approx(1 - 30 / 33 * 0.6)
     assert r["decode_steps_ratio_ceiling_full_coverage"] == pytest.approx(1 - 30 / 33)
+    # drafts that run on past their responses' ends cover them only up to there
+    on[1]["spec/drafted_tokens_in_response"] = 45
+    r = compare(on, on)
+    assert r["draft_coverage"] == pytest.approx(0.45) and r["drafted_tokens"] == 60
+    assert r["decode_steps_ratio_ceiling"] == pytest.approx(1 - 30 / 33 * 0.45)

@@ -48,6 +48,7 @@ RANKS = [
      "bubble/draftable_s": 2.0, "bubble/engine_steps": 12, "bubble/new_tokens": 40, "bubble/refreshed_drafts": 1,
      "bubble/prefill_tokens": 900,
      "spec/drafted_samples": 4, "spec/drafted_tokens": 80, "spec/accepted_tokens": 50,
+     "spec/drafted_tokens_in_response": 70,
      "spec/accepted_prefix_mean": 10.0, "spec/verify_s": 0.5,
      "rollout/engine_steps": 40, "spec/continuation_proposed_tokens": 12,
      "spec/continuation_accepted_tokens": 9,
@@ -61,6 +62,7 @@ RANKS = [
      "bubble/draftable_s": 0.0, "bubble/engine_steps": 0, "bubble/new_tokens": 0, "bubble/refreshed_drafts": 0,
      "bubble/prefill_tokens": 0,
      "spec/drafted_samples": 6, "spec/drafted_tokens": 120, "spec/accepted_tokens": 30,
+     "spec/drafted_tokens_in_response": 120,
      "spec/accepted_prefix_mean": 5.0, "spec/verify_s": 0.7,
      "rollout/engine_steps": 64, "spec/continuation_proposed_tokens": 8,
      "spec/continuation_accepted_tokens": 2,
@@ -74,6 +76,7 @@ RANKS = [
      "bubble/draftable_s": 3.0, "bubble/engine_steps": 20, "bubble/new_tokens": 70, "bubble/refreshed_drafts": 2,
      "bubble/prefill_tokens": 300,
      "spec/drafted_samples": 0, "spec/drafted_tokens": 0, "spec/accepted_tokens": 0,
+     "spec/drafted_tokens_in_response": 0,
      "spec/accepted_prefix_mean": None, "spec/verify_s": 0.1,
      "rollout/engine_steps": 30, "spec/continuation_proposed_tokens": 0,
      "spec/continuation_accepted_tokens": 0,
@@ -470,6 +473,19 @@ def test_engine_steps_and_continuation_counts():
     assert [rec[f"rank{r}/rollout/engine_steps"] for r in range(3)] == [40, 64, 30]
     assert rec["spec/continuation_proposed_tokens"] == 20
     assert rec["spec/continuation_accept_rate"] == pytest.approx(11 / 20)
+
+
+def test_an_engines_drafts_count_within_their_responses():
+    """spec/drafted_tokens_in_response: a draft that runs on past its response's end counts up
+    to the response's length (the bench's drafted share and its ceiling use it)."""
+    from megatron_bubblespec.loop.step_metrics import EngineRollout, engine_metrics
+    from megatron_bubblespec.sampling.requests import RolloutResult
+
+    results = [RolloutResult(str(i), [7] * n, [0.0] * n, n, "eos") for i, n in enumerate((5, 9, 4))]
+    metrics = engine_metrics(EngineRollout(results, 1.0, 9), [8, 3, 0], [5, 3, 0], 0.0, [], {},
+                             0, {})
+    assert metrics["spec/drafted_tokens"] == 11 and metrics["spec/drafted_tokens_in_response"] == 8
+    assert aggregate_step(0, RANKS)["spec/drafted_tokens_in_response"] == 190
 
 
 def test_utilization_counts_only_bubbles_that_could_draft():

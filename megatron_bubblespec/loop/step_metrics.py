@@ -57,6 +57,8 @@ def engine_metrics(mine: EngineRollout, drafted: list[int], accepted: list[int],
         "exact/weight_version": weight_version,
         "spec/drafted_samples": len(verified),
         "spec/drafted_tokens": sum(drafted),
+        # a draft that runs on past its response's end covers the response only up to there
+        "spec/drafted_tokens_in_response": sum(min(d, n) for d, n in zip(drafted, lengths)),
         "spec/accepted_tokens": sum(accepted),
         "spec/verify_s": verify_s,
         "memory/rss_peak_gb": peak_rss_gb(),

@@ -46,10 +46,12 @@ The comparison:
   samples), ``accept_rate`` (accepted / drafted tokens), ``drafted_tokens``, ``accepted_tokens``,
   ``draft_len_mean`` (drafted tokens / drafted samples), ``draft_coverage`` (drafted tokens / on
   response tokens: the share of the responses the bubbles drafted; a draft longer than its
-  response counts in full), ``accepted_coverage`` ((prefix + continuation accepted tokens) / on
-  response tokens); the ceiling (:mod:`megatron_bubblespec.measure.sim.ceiling`): ``accept_per_token`` (a
-  lower bound from the verified prefixes), ``decode_steps_ratio_ceiling`` = 1 - accept_per_token x
-  draft_coverage (the lowest decode steps ratio exact verification allows with these drafts) and
+  response counts up to the response's length, in full in runs recorded before
+  ``spec/drafted_tokens_in_response``), ``accepted_coverage`` ((prefix + continuation accepted
+  tokens) / on response tokens); the ceiling (:mod:`megatron_bubblespec.measure.sim.ceiling`):
+  ``accept_per_token`` (a lower bound from the verified prefixes),
+  ``decode_steps_ratio_ceiling`` = 1 - accept_per_token x draft_coverage (the lowest decode steps
+  ratio exact verification allows with these drafts) and
   ``decode_steps_ratio_ceiling_full_coverage`` = 1 - accept_per_token (drafts covering every
   response); speculative continuation (rollout proposals, ``ablation.proposal_sources``):
   ``continuation_proposed_tokens``, ``continuation_accepted_tokens``, ``continuation_accept_rate``
@@ -143,7 +145,9 @@ def compare_steps(on: Sequence[Record], off: Sequence[Record], plain: Sequence[R
     accepted, tokens_on = total_of(on, "spec/accepted_tokens"), total_of(on, "rollout/tokens")
     proposed = total_of(on, "spec/continuation_proposed_tokens")
     continued = total_of(on, "spec/continuation_accepted_tokens")
-    coverage = ratio(drafted, tokens_on)
+    # runs recorded before the in-response count: a draft counts in full
+    within = total_of(on, "spec/drafted_tokens_in_response")
+    coverage = ratio(drafted if math.isnan(within) else within, tokens_on)
     per_token = accept_per_token_lower_bound(accepted, samples)
     return {
         "first_step": first_step,

@@ -98,6 +98,8 @@ _METRICS = [
     Metric("spec/drafted_samples", SUM, count, "samples with a draft"),
     Metric("spec/drafted_tokens", SUM, count, "drafted tokens", "drafts\ntok",
            over_run=total_of),
+    Metric("spec/drafted_tokens_in_response", SUM, count,
+           "drafted tokens within their responses' lengths"),
     Metric("spec/accepted_tokens", SUM, count, "accepted draft tokens", "accept\ntok",
            over_run=total_of),
     Metric("spec/continuation_proposed_tokens", SUM, count, "continuation proposed tokens"),
