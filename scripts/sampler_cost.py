@@ -40,7 +40,7 @@ def main() -> None:
     from vllm.v1.sample.sampler import Sampler
 
     from megatron_bubblespec.measure.engine_bench import model_info, resolved_model, start_engine
-    from megatron_bubblespec.measure.engine_timing import _prompt_plan, time_run
+    from megatron_bubblespec.measure.engine_timing import prompt_plan, time_run
     from megatron_bubblespec.sampling import SamplingParams
 
     calls: list[float] = []
@@ -58,7 +58,7 @@ def main() -> None:
     with resolved_model(args.model) as (path, _name):
         engine = start_engine(args.engine, path, 1024)
         batches = [int(b) for b in args.batch_sizes.split(",")]
-        plan = _prompt_plan(args.prompts, args.model, path, model_info(path, _name)["vocab_size"],
+        plan = prompt_plan(args.prompts, args.model, path, model_info(path, _name)["vocab_size"],
                             batches, args.prompt_len, 1, 0)
         for batch in batches:
             time_run(engine, plan[batch][0], 4, params, seed=0, tag=f"warm{batch}")

@@ -27,7 +27,7 @@ from megatron_bubblespec.measure.engine_bench import (  # noqa: E402
     start_engine,
     write_report,
 )
-from megatron_bubblespec.measure.engine_timing import _prompt_plan, time_run  # noqa: E402
+from megatron_bubblespec.measure.engine_timing import prompt_plan, time_run  # noqa: E402
 from megatron_bubblespec.sampling import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -146,20 +146,20 @@ def test_engine_names():
 
 
 def test_prompt_plans():
-    plan = _prompt_plan("random", "tiny", None, 256, [1, 3], 5, 2, seed=0)
+    plan = prompt_plan("random", "tiny", None, 256, [1, 3], 5, 2, seed=0)
     assert [len(runs) for runs in plan.values()] == [3, 3]
     assert all(len(p) == 5 and min(p) >= 3 for runs in plan.values() for run in runs for p in run)
     assert plan[3][1] != plan[3][2]            # fresh prompts per run
     with pytest.raises(ValueError, match="tokenizer"):
-        _prompt_plan("gsm8k", "tiny", None, 256, [1], 5, 1, seed=0)
+        prompt_plan("gsm8k", "tiny", None, 256, [1], 5, 1, seed=0)
     with pytest.raises(ValueError, match="prompts"):
-        _prompt_plan("books", "tiny", None, 256, [1], 5, 1, seed=0)
+        prompt_plan("books", "tiny", None, 256, [1], 5, 1, seed=0)
 
 
 def test_gsm8k_prompts_are_chat_template_questions_none_twice():
     from megatron_bubblespec.models.smollm2 import load_tokenizer, smollm2_checkpoint
 
-    plan = _prompt_plan("gsm8k", "smollm2", smollm2_checkpoint(), 49152, [2, 3], 0, 1, seed=0)
+    plan = prompt_plan("gsm8k", "smollm2", smollm2_checkpoint(), 49152, [2, 3], 0, 1, seed=0)
     prompts = [tuple(p) for runs in plan.values() for run in runs for p in run]
     assert len(prompts) == 2 * 2 + 2 * 3 == len(set(prompts))
     tokenizer = load_tokenizer().tokenizer

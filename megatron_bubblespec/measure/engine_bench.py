@@ -41,9 +41,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from megatron_bubblespec.machine import machine_info
-from megatron_bubblespec.measure.engine_timing import (PROMPTS, _loadavg, _prompt_plan,
-                                                       _time_phase, compare_keyed_plain)
+from megatron_bubblespec.machine import load_average, machine_info
+from megatron_bubblespec.measure.engine_timing import (PROMPTS, compare_keyed_plain, prompt_plan,
+                                                       time_phase)
 
 if TYPE_CHECKING:   # torch and the engines are imported when used: the CLI parser stays cheap
     from megatron_bubblespec.rollout.base import RolloutEngine
@@ -218,7 +218,7 @@ def bench_engine(engine_name: str, model_path: str | Path, batch_sizes: Sequence
         report["model"] = model_info(path, name)
         if str(model_path) == "tiny":      # written to a temporary directory, gone afterwards
             report["model"]["path"] = None
-        plan = _prompt_plan(prompts, model_path, path, report["model"]["vocab_size"],
+        plan = prompt_plan(prompts, model_path, path, report["model"]["vocab_size"],
                             batch_sizes, prompt_len, repeats, seed)
         max_model_len = max(len(p) for runs in plan.values() for run in runs
                             for p in run) + new_tokens
@@ -228,14 +228,14 @@ def bench_engine(engine_name: str, model_path: str | Path, batch_sizes: Sequence
             try:
                 _start_phase(phase, path, name, max_model_len, threads, say, engines,
                              report["engines"])
-                report["rows"] += _time_phase(engines, plan, new_tokens, params, seed, say,
+                report["rows"] += time_phase(engines, plan, new_tokens, params, seed, say,
                                               {k: report["engines"][k]["dtype"] for k in phase})
             finally:
                 _close_engines(engines)
     report["rows"].sort(key=lambda r: (ENGINES.index(r["engine"]),
                                        batch_sizes.index(r["batch_size"])))
     report["comparison"] = compare_keyed_plain(report["rows"])
-    report["machine"]["loadavg_1_5_15_end"] = _loadavg()
+    report["machine"]["loadavg_1_5_15_end"] = load_average()
     return report
 
 

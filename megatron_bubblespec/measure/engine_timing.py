@@ -7,11 +7,12 @@ accounting, a phase's runs, the per-(engine, batch size) rows and the keyed / pl
 from __future__ import annotations
 
 import gc
-import os
 import statistics
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from megatron_bubblespec.machine import load_average
 
 if TYPE_CHECKING:   # torch and the engines are imported when used
     from megatron_bubblespec.rollout.base import RolloutEngine
@@ -61,7 +62,7 @@ def _gsm8k_prompts(model: str | Path, path: Path, seed: int) -> Callable[[int], 
     return take
 
 
-def _prompt_plan(prompts: str, model: str | Path, path: Path, vocab_size: int,
+def prompt_plan(prompts: str, model: str | Path, path: Path, vocab_size: int,
                  batch_sizes: Sequence[int], prompt_len: int, repeats: int,
                  seed: int) -> dict[int, list[list[list[int]]]]:
     """batch size -> the prompts of its warm-up run and of each timed run (the same for every
@@ -164,16 +165,12 @@ def summarise(engine_name: str, dtype: str, batch: int, new_tokens: int,
         "tokens_per_s": generated / total,
         "cpu_s": statistics.median(run["cpu_s"] for run in runs),
         "tokens_per_cpu_s": generated / statistics.median(run["cpu_s"] for run in runs),
-        "loadavg_1_5_15": _loadavg(),      # when the row's last run ended
+        "loadavg_1_5_15": load_average(),      # when the row's last run ended
         "runs": [{"add_s": run["add_s"], "prefill_s": run["prefill_s"],
                   "decode_step_s": run["decode_step_s"], "total_s": run["total_s"],
                   "cpu_s": run["cpu_s"], "prompt_tokens": run["prompt_tokens"]}
                  for run in runs],
     }
-
-
-def _loadavg() -> list[float | None]:
-    return list(os.getloadavg()) if hasattr(os, "getloadavg") else [None, None, None]
 
 
 def compare_keyed_plain(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -201,7 +198,7 @@ def compare_keyed_plain(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _time_phase(engines: dict[str, RolloutEngine], plan: dict[int, list[list[list[int]]]],
+def time_phase(engines: dict[str, RolloutEngine], plan: dict[int, list[list[list[int]]]],
                 new_tokens: int, params: SamplingParams, seed: int,
                 say: Callable[[str], None], dtypes: dict[str, str]) -> list[dict[str, Any]]:
     """Per batch size: a warm-up run of every engine, then the timed runs, the engines taking

@@ -37,7 +37,7 @@ from megatron_bubblespec.measure.bench import (compare, compare_steps, finished_
                                              steady_state_first_step, token_mismatch)
 from megatron_bubblespec.loop.heartbeat import EXIT_PREEMPTED
 from megatron_bubblespec.loop.run_dir import CONFIG_FILE
-from megatron_bubblespec.machine import machine_info
+from megatron_bubblespec.machine import load_average, machine_info
 from megatron_bubblespec.metrics import to_json
 from megatron_bubblespec.metrics.formatting import value
 from megatron_bubblespec.metrics.reduce import mean_of, pooled_ratio
@@ -147,11 +147,8 @@ def load(config: str, overrides: Sequence[str]):
         raise SystemExit(f"config error ({' '.join(overrides) or 'no overrides'}): {err}")
 
 
-def _loadavg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
+def _rounded(load: list[float] | None) -> list[float] | None:
+    return [round(x, 2) for x in load] if load else None
 
 
 def train_run(config: str, overrides: Sequence[str], runs_dir: Path, name: str) -> dict:
@@ -165,7 +162,7 @@ def train_run(config: str, overrides: Sequence[str], runs_dir: Path, name: str) 
     cfg = load(config, [*overrides, *run])
     runs_dir.mkdir(parents=True, exist_ok=True)
     print(f"  run {name}: {' '.join(o for o in overrides if o not in QUIET)}", flush=True)
-    load_before, t0 = _loadavg(), time.perf_counter()
+    load_before, t0 = _rounded(load_average()), time.perf_counter()
     log_path = runs_dir / f"{name}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "megatron_bubblespec.cli", "train",
@@ -187,7 +184,8 @@ def train_run(config: str, overrides: Sequence[str], runs_dir: Path, name: str) 
     found = finished_run(cfg)
     if found is None:
         raise RuntimeError(f"the run ended without the records of all {cfg.run.steps} steps")
-    timing = {"wall_s": wall, "loadavg_before": load_before, "loadavg_after": _loadavg()}
+    timing = {"wall_s": wall, "loadavg_before": load_before,
+              "loadavg_after": _rounded(load_average())}
     print(f"    {wall:.0f} s (load average before {load_before}, after {timing['loadavg_after']})",
           flush=True)
     (runs_dir / f"{name}.timing.json").write_text(json.dumps(timing) + "\n")
