@@ -59,7 +59,7 @@ def main() -> None:
         engine = start_engine(args.engine, path, 1024)
         batches = [int(b) for b in args.batch_sizes.split(",")]
         plan = prompt_plan(args.prompts, args.model, path, model_info(path, _name)["vocab_size"],
-                            batches, args.prompt_len, 1, 0)
+                           batches, args.prompt_len, 1, 0)
         for batch in batches:
             time_run(engine, plan[batch][0], 4, params, seed=0, tag=f"warm{batch}")
             calls.clear()

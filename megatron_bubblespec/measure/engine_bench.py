@@ -219,7 +219,7 @@ def bench_engine(engine_name: str, model_path: str | Path, batch_sizes: Sequence
         if str(model_path) == "tiny":      # written to a temporary directory, gone afterwards
             report["model"]["path"] = None
         plan = prompt_plan(prompts, model_path, path, report["model"]["vocab_size"],
-                            batch_sizes, prompt_len, repeats, seed)
+                           batch_sizes, prompt_len, repeats, seed)
         max_model_len = max(len(p) for runs in plan.values() for run in runs
                             for p in run) + new_tokens
         report["settings"]["max_model_len"] = max_model_len
@@ -229,7 +229,7 @@ def bench_engine(engine_name: str, model_path: str | Path, batch_sizes: Sequence
                 _start_phase(phase, path, name, max_model_len, threads, say, engines,
                              report["engines"])
                 report["rows"] += time_phase(engines, plan, new_tokens, params, seed, say,
-                                              {k: report["engines"][k]["dtype"] for k in phase})
+                                             {k: report["engines"][k]["dtype"] for k in phase})
             finally:
                 _close_engines(engines)
     report["rows"].sort(key=lambda r: (ENGINES.index(r["engine"]),

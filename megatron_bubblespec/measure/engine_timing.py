@@ -63,8 +63,8 @@ def _gsm8k_prompts(model: str | Path, path: Path, seed: int) -> Callable[[int], 
 
 
 def prompt_plan(prompts: str, model: str | Path, path: Path, vocab_size: int,
-                 batch_sizes: Sequence[int], prompt_len: int, repeats: int,
-                 seed: int) -> dict[int, list[list[list[int]]]]:
+                batch_sizes: Sequence[int], prompt_len: int, repeats: int,
+                seed: int) -> dict[int, list[list[list[int]]]]:
     """batch size -> the prompts of its warm-up run and of each timed run (the same for every
     engine)."""
     if prompts == "random":
@@ -165,7 +165,7 @@ def summarise(engine_name: str, dtype: str, batch: int, new_tokens: int,
         "tokens_per_s": generated / total,
         "cpu_s": statistics.median(run["cpu_s"] for run in runs),
         "tokens_per_cpu_s": generated / statistics.median(run["cpu_s"] for run in runs),
-        "loadavg_1_5_15": load_average(),      # when the row's last run ended
+        "loadavg_1_5_15": load_average(),   # when the row's last run ended
         "runs": [{"add_s": run["add_s"], "prefill_s": run["prefill_s"],
                   "decode_step_s": run["decode_step_s"], "total_s": run["total_s"],
                   "cpu_s": run["cpu_s"], "prompt_tokens": run["prompt_tokens"]}
@@ -199,8 +199,8 @@ def compare_keyed_plain(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def time_phase(engines: dict[str, RolloutEngine], plan: dict[int, list[list[list[int]]]],
-                new_tokens: int, params: SamplingParams, seed: int,
-                say: Callable[[str], None], dtypes: dict[str, str]) -> list[dict[str, Any]]:
+               new_tokens: int, params: SamplingParams, seed: int,
+               say: Callable[[str], None], dtypes: dict[str, str]) -> list[dict[str, Any]]:
     """Per batch size: a warm-up run of every engine, then the timed runs, the engines taking
     turns in ABBA order (run r of every engine on the same prompts)."""
     rows = []
