@@ -152,10 +152,9 @@ class OtherEngineArrives:
     step's other engine arrives at the barrier (in the one store), last, and closes it: after
     ``steps`` engine steps, or (``steps=None``) once this engine has nothing left to run."""
 
-    def __init__(self, engine, store, step: int, steps: int | None = None,
-                 namespace: str = "bubblespec"):
+    def __init__(self, engine, store, step: int, steps: int | None = None):
         self.engine, self.store, self.step_, self.steps = engine, store, step, steps
-        self.namespace, self.added, self.per_step = namespace, 0, []
+        self.added, self.per_step = 0, []
 
     def add(self, requests, params):
         requests = list(requests)
@@ -168,8 +167,8 @@ class OtherEngineArrives:
         finished = self.engine.step()
         if (len(self.per_step) == self.steps
                 or self.steps is None and not self.engine.has_unfinished()):
-            self.store.add(f"{self.namespace}/arrive/{self.step_}", 1)
-            self.store.set(f"{self.namespace}/closed/{self.step_}", repr(time.time()))
+            self.store.add(f"bubblespec/arrive/{self.step_}", 1)
+            self.store.set(f"bubblespec/closed/{self.step_}", repr(time.time()))
         return finished
 
     def __getattr__(self, name):
