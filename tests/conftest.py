@@ -130,7 +130,8 @@ def assert_on_off_identical(on: dict, off: dict, label: str, steps: int,
                             rejected: bool = True) -> None:
     """Two ``train(..., return_weights=True)`` results, BubbleSpec on and off: drafts accepted
     (and, with ``rejected``, some rejected) in the on run, none in the off run, and the same
-    tokens, losses and final weights."""
+    tokens, and per step the learner's inputs, losses and weights (their fingerprints), and the
+    same final weights."""
     drafted = sum(r["spec/drafted_tokens"] for r in on["records"])
     accepted = sum(r["spec/accepted_tokens"] for r in on["records"])
     assert 0 < accepted, f"{label}: no draft token was accepted ({drafted} drafted)"
@@ -140,8 +141,9 @@ def assert_on_off_identical(on: dict, off: dict, label: str, steps: int,
     assert len(on["rollouts"]) == len(off["rollouts"]) == steps
     for step, (a, b) in enumerate(zip(on["rollouts"], off["rollouts"])):
         assert a == b, f"{label}, step {step}: rollout tokens differ between BubbleSpec on and off"
-    for a, b in zip(on["records"], off["records"]):
-        assert a["train/loss"] == b["train/loss"], label
+    for step, (a, b) in enumerate(zip(on["records"], off["records"])):
+        for name in ("exact/batch_hash", "exact/state_hash", "train/loss"):
+            assert a[name] == b[name], f"{label}, step {step}: {name} differs between on and off"
     assert set(on["weights"]) == set(off["weights"])
     for name, tensor in on["weights"].items():
         assert torch.equal(tensor, off["weights"][name]), f"{label}: final {name} differs"

@@ -137,7 +137,7 @@ def _train_worker(path, context_parallel):
     responses = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (9, 16, 4, 12)]
     batch = GRPOBatch.from_responses(prompts, responses, [[-1.0] * len(r) for r in responses],
                                      torch.tensor([1.0, -1.0, 0.5, -0.5]))
-    metrics, step_logprobs = trainer.train_step(batch)
+    metrics, step_logprobs, _ = trainer.train_step(batch)
     after = trainer.logprobs(batch.tokens, batch.response_mask)
     destroy_distributed()
     return metrics["train/loss"], metrics["train/grad_norm"], step_logprobs, after

@@ -257,11 +257,27 @@ def _check_resume(cfg: Config) -> None:
                           "a checkpoint directory")
 
 
+def _check_learner(cfg: Config) -> None:
+    """The learner's policy is softmax(logits / T) at the rollout's temperature: greedy decoding
+    has no such policy, and the truncated importance weights need the engine's logprobs of it,
+    which the engines report at T = 1 only."""
+    if cfg.rollout.temperature == 0:
+        raise ConfigError("rollout.temperature=0 samples greedily: its tokens have no probability "
+                          "to learn from (the policy gradient of a point mass); train at "
+                          "rollout.temperature > 0 (1.0 samples the model's own distribution)")
+    if cfg.train.tis_cap > 0 and cfg.rollout.temperature != 1:
+        raise ConfigError(f"train.tis_cap={cfg.train.tis_cap:g} weighs tokens by Megatron's over "
+                          "the engine's probability, and the engines report theirs at T = 1 only; "
+                          f"with rollout.temperature={cfg.rollout.temperature:g} set "
+                          "train.tis_cap=0 (off) or rollout.temperature=1")
+
+
 # In this order: a config with several problems is told the first one.
 RULES = (
     _check_choices, _check_bounds, _check_parallel_layout, _check_rollout_tensor_parallel,
     _check_proposal_sources, _check_gpu_memory_switches, _check_batch_invariance,
     _check_prompt_groups, _check_verifier, _check_ablation_rule, _check_continuation,
+    _check_learner,
     _check_model_dtype, _check_data, _check_resume,
 )
 

@@ -156,6 +156,10 @@ class TrainConfig:
     micro_batch_size: int = 2
     clip_eps: float = 0.2
     kl_coef: float = 0.0            # k3 KL penalty to the frozen initial policy (0 = none, no copy kept)
+    # truncated importance sampling of the engine / trainer mismatch (train.grpo): the cap on
+    # Megatron's over the engine's token probability; 0 = off. The one setting under which the
+    # learner reads the engine's logprobs, so runs with BubbleSpec on and off may part.
+    tis_cap: float = 0.0
     normalize_advantage_std: bool = True
     use_distributed_optimizer: bool = False
     recompute_activations: bool = False  # full per-layer activation recompute (long contexts)
@@ -242,6 +246,7 @@ BOUNDS = {
     "train.micro_batch_size": (lambda v: v >= 1, ">= 1"),
     "train.clip_eps": (lambda v: v > 0, "> 0"),
     "train.kl_coef": (lambda v: v >= 0, ">= 0 (0 = no KL penalty)"),
+    "train.tis_cap": (lambda v: v == 0 or v >= 1, "0 (off) or >= 1 (the cap on the weight)"),
     "model.max_model_len": (lambda v: v >= 16, ">= 16"),
     "parallel.context": (lambda v: v >= 1, ">= 1"),
     "rollout.tensor_parallel": (lambda v: v >= 1, ">= 1"),

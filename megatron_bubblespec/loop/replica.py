@@ -113,7 +113,8 @@ def resolve_model(cfg: Config, rank: int) -> Path:
         path = smollm2_checkpoint() if rank == 0 else cache_dir("models") / NAME
     else:
         path = Path(m.path)
-    dist.barrier()
+    if dist.is_initialized():   # a script's single process has no peers to wait for
+        dist.barrier()
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model.path={m.path!r}: {path} has no config.json; use tiny, "
                                 "smollm2 or an HF checkpoint directory")
@@ -163,7 +164,9 @@ def build_replica(cfg: Config) -> Replica:
     trainer = MegatronTrainer(model, spec, TrainerConfig(
         lr=t.lr, weight_decay=t.weight_decay, clip_grad=t.clip_grad,
         micro_batch_size=t.micro_batch_size, use_distributed_optimizer=t.use_distributed_optimizer,
-        grpo=GRPOConfig(clip_eps_low=t.clip_eps, clip_eps_high=t.clip_eps, kl_coef=t.kl_coef)))
+        temperature=cfg.rollout.temperature,
+        grpo=GRPOConfig(clip_eps_low=t.clip_eps, clip_eps_high=t.clip_eps, kl_coef=t.kl_coef,
+                        tis_cap=t.tis_cap)))
     params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
     task = build_task(cfg, spec)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()

@@ -160,20 +160,25 @@ def learn(trainer, engine, cfg: Config, plan: StepPlan, results: list[RolloutRes
           version: int) -> tuple[dict, dict]:
     """Stage 5: group advantages -> GRPO step on Megatron; engine-vs-Megatron gap (from the
     step's own forward, weights of ``version``) and policy drift (one more forward with the new
-    weights). ``engine`` (this rank's engine or shard) sleeps meanwhile when the config asks."""
+    weights). ``engine`` (this rank's engine or shard) sleeps meanwhile when the config asks.
+
+    The learner reads the engine's tokens and nothing else of it: the GRPO ratio's old logprobs
+    are the step's own Megatron forward's (``train.batch``), so the weights do not depend on
+    whether a token's engine logprob came from a verify row or a decode row. The engine's
+    logprobs feed the on-policy check (at T = 1, the logits the engine reports) and, only with
+    ``train.tis_cap``, the correction that reads them."""
     advantages = group_advantages(torch.tensor([x.total for x in rewards]),
                                   cfg.rollout.samples_per_prompt,
                                   scale_by_std=cfg.train.normalize_advantage_std)
+    engine_logprobs = [r.logprobs for r in results]
     batch = GRPOBatch.from_responses([list(s.prompt.token_ids) for s in plan.samples],
-                                     [r.token_ids for r in results],
-                                     [r.logprobs for r in results], advantages)
+                                     [r.token_ids for r in results], engine_logprobs, advantages)
     if cfg.rollout.sleep_during_train:   # the KV cache (and at level 2 the weights) freed
         engine.sleep(cfg.rollout.sleep_level)
     trainer.restore_training_state()     # after train.offload_during_rollout
-    metrics, before = trainer.train_step(batch)   # before: Megatron's logprobs, weights t
-    gap = check_on_policy([r.logprobs for r in results],
-                          gather_responses(before, batch.response_mask), cfg.model.dtype,
-                          step=plan.step, weight_version=version)
+    metrics, before, raw_before = trainer.train_step(batch)   # Megatron's logprobs, weights t
+    gap = check_on_policy(engine_logprobs, gather_responses(raw_before, batch.response_mask),
+                          cfg.model.dtype, step=plan.step, weight_version=version)
     after = trainer.logprobs(batch.tokens, batch.response_mask)
     mask, delta = batch.response_mask, after - before
     # k3 estimator of KL(pi_t || pi_t+1) on tokens drawn from pi_t: non-negative, unbiased.

@@ -154,6 +154,13 @@ _METRICS = [
     Metric("train/ratio_mean", TRAINER, number, "mean policy ratio"),
     Metric("train/entropy", TRAINER, number, "token entropy"),
     Metric("train/num_tokens", TRAINER, count, "response tokens trained on"),
+    Metric("train/tis_weight_mean", TRAINER, number,
+           "mean truncated importance weight, Megatron over engine (train.tis_cap)"),
+    Metric("exact/batch_hash", TRAINER, count, "fingerprint of what the learner read"),
+    Metric("exact/state_hash", TRAINER, count,
+           "fingerprint of the weights and optimizer state after the step"),
+    Metric("exact/engine_logprobs_hash", TRAINER, count,
+           "fingerprint of the engine's logprobs (read by the learner only with train.tis_cap)"),
     Metric("train/update_skipped", TRAINER, count, "1 when the optimizer skipped the step"),
     Metric("train/step_s", TRAINER, seconds, "train step wall time"),
 ]

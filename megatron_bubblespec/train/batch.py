@@ -1,9 +1,16 @@
-"""Rollout results (prompt, response token lists, per-token logprobs, advantages) -> one DP rank's
-GRPO batch: token-aligned, right-padded [B, S] tensors, and back to per-response lists.
+"""Rollout results (prompt, response token lists, the engine's per-token logprobs, advantages) -> one
+DP rank's GRPO batch: token-aligned, right-padded [B, S] tensors, and back to per-response lists.
 
 Sequences are prompt + response, right-padded to one length ``S``; per-token tensors are ``[B, S]``
 and aligned with the tokens: ``logprobs[b, j] = log p(tokens[b, j] | tokens[b, :j])`` (0 at j = 0),
 ``response_mask[b, j] = 1`` where token j is a response token.
+
+The GRPO ratio's old (behaviour) logprobs are Megatron's, from the step's own forward at weights t
+(``old_logprobs=None``), never the engine's: an engine computes a token's logprob in a verify row
+or a decode row, which round differently, and a learner reading them would make the weights of a
+run with BubbleSpec on drift from those of the run without it. The engine's logprobs ride along
+for the on-policy check and, when asked for, the truncated importance-sampling correction
+(``grpo.tis_cap``).
 """
 
 from __future__ import annotations
@@ -21,13 +28,14 @@ class GRPOBatch:
 
     tokens: torch.Tensor                  # int64, prompt + response, right-padded
     response_mask: torch.Tensor           # 1 on response tokens
-    old_logprobs: torch.Tensor            # behaviour policy (the rollout engine), token-aligned
+    old_logprobs: torch.Tensor | None     # behaviour policy; None: the step's own forward's
     advantages: torch.Tensor
     ref_logprobs: torch.Tensor | None = None   # reference policy (KL); None: the trainer's own
+    engine_logprobs: torch.Tensor | None = None   # the rollout engine's (check, TIS correction)
 
     def __post_init__(self):
         shape = tuple(self.tokens.shape)
-        for name in ("response_mask", "old_logprobs", "ref_logprobs"):
+        for name in PER_TOKEN:
             value = getattr(self, name)
             if value is not None and tuple(value.shape) != shape:
                 raise ValueError(f"GRPOBatch.{name} has shape {tuple(value.shape)}, tokens have "
@@ -41,35 +49,41 @@ class GRPOBatch:
 
     @classmethod
     def from_responses(cls, prompts: list[list[int]], responses: list[list[int]],
-                       old_logprobs: list[list[float]], advantages, *,
+                       engine_logprobs: list[list[float]], advantages, *,
                        ref_logprobs: list[list[float]] | None = None,
                        pad_id: int = 0) -> "GRPOBatch":
-        """Token lists and per-response logprob lists (as rollout results carry them) -> a batch."""
+        """Token lists and the engine's per-response logprob lists (as rollout results carry
+        them) -> a batch whose old logprobs come from the trainer's own forward."""
         tokens, mask = pack_sequences(prompts, responses, pad_id)
-        return cls(tokens, mask, scatter_responses(old_logprobs, mask),
-                   torch.as_tensor(advantages, dtype=torch.float32),
-                   None if ref_logprobs is None else scatter_responses(ref_logprobs, mask))
+        return cls(tokens, mask, None, torch.as_tensor(advantages, dtype=torch.float32),
+                   None if ref_logprobs is None else scatter_responses(ref_logprobs, mask),
+                   scatter_responses(engine_logprobs, mask))
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
 
+    def _map(self, per_token, advantages=lambda t: t) -> "GRPOBatch":
+        """The batch with ``per_token`` applied to every [B, S] tensor (None stays None)."""
+        apply = lambda t: None if t is None else per_token(t)  # noqa: E731
+        return GRPOBatch(apply(self.tokens), apply(self.response_mask), apply(self.old_logprobs),
+                         advantages(self.advantages), apply(self.ref_logprobs),
+                         apply(self.engine_logprobs))
+
     def to(self, device) -> "GRPOBatch":
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return GRPOBatch(self.tokens.to(device), self.response_mask.to(device),
-                         self.old_logprobs.to(device), self.advantages.to(device),
-                         move(self.ref_logprobs))
+        return self._map(lambda t: t.to(device), lambda t: t.to(device))
 
     def rows(self, index: slice) -> "GRPOBatch":
-        pick = lambda t: None if t is None else t[index]  # noqa: E731
-        return GRPOBatch(self.tokens[index], self.response_mask[index], self.old_logprobs[index],
-                         self.advantages[index], pick(self.ref_logprobs))
+        return self._map(lambda t: t[index], lambda t: t[index])
 
     def padded_to(self, width: int) -> "GRPOBatch":
         """Right-padded to ``width`` tokens (pad id 0; padding is outside the response mask)."""
-        pad = lambda t: None if t is None else torch.nn.functional.pad(  # noqa: E731
-            t, (0, width - t.shape[1]))
-        return GRPOBatch(pad(self.tokens), pad(self.response_mask), pad(self.old_logprobs),
-                         self.advantages, pad(self.ref_logprobs))
+        return self._map(lambda t: torch.nn.functional.pad(t, (0, width - t.shape[1])))
+
+    def fingerprint_tensors(self, engine_logprobs: bool) -> list[torch.Tensor | None]:
+        """What the learner reads of this batch, in a fixed order (``train.fingerprint``); the
+        engine's logprobs only where the loss reads them (``engine_logprobs``)."""
+        return [self.tokens, self.response_mask, self.advantages, self.old_logprobs,
+                self.ref_logprobs, self.engine_logprobs if engine_logprobs else None]
 
     def dp_shard(self, rank: int, size: int) -> "GRPOBatch":
         """Data-parallel rank ``rank``'s contiguous share of a global batch (groups stay whole
@@ -79,6 +93,9 @@ class GRPOBatch:
                              f"{size} data-parallel ranks")
         share = len(self) // size
         return self.rows(slice(rank * share, (rank + 1) * share))
+
+
+PER_TOKEN = ("response_mask", "old_logprobs", "ref_logprobs", "engine_logprobs")
 
 
 def pack_sequences(prompts: list[list[int]], responses: list[list[int]],

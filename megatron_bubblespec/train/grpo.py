@@ -8,6 +8,12 @@ and 0 elsewhere (prompt, padding); sequence-level tensors (rewards, advantages) 
   rows. The standard deviation is the unbiased one (``torch.std``).
 * Policy loss per token: ``-min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A)`` with
   ``ratio = exp(logp - old_logp)``; eps_high > eps_low gives DAPO's "clip higher".
+* Truncated importance sampling (optional, ``tis_cap > 0``; off by default): each token's policy
+  loss is weighted by ``min(exp(old_logp - engine_logp), tis_cap)``, the trainer's over the rollout
+  engine's probability of the token, as the field corrects for the two engines' numerics (Yao et
+  al., "Your efficient RL framework secretly brings you off-policy RL training", 2025). It is the
+  one place the learner reads the engine's logprobs, so with it on, a token's verify-row and
+  decode-row rounding reach the weights and runs with BubbleSpec on and off may part.
 * KL penalty (optional): ``kl_coef * k3`` with the k3 estimator
   ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, zero where the policies agree).
 * Reduction: token-level mean over all response tokens of the *global* batch. ``num_tokens`` is
@@ -29,6 +35,7 @@ class GRPOConfig:
     clip_eps_high: float = 0.2
     kl_coef: float = 0.0                 # 0 = no KL penalty (no reference policy needed)
     adv_eps: float = 1e-6
+    tis_cap: float = 0.0                 # truncated importance sampling's cap; 0 = off
 
     def __post_init__(self):
         if not (0.0 <= self.clip_eps_low < 1.0 and self.clip_eps_high >= 0.0):
@@ -36,6 +43,8 @@ class GRPOConfig:
                              f" got low={self.clip_eps_low}, high={self.clip_eps_high}")
         if self.kl_coef < 0.0:
             raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.tis_cap < 0.0:
+            raise ValueError(f"tis_cap must be >= 0 (0 = off), got {self.tis_cap}")
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, *, scale_by_std: bool = True,
@@ -90,19 +99,28 @@ def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
               mask: torch.Tensor, config: GRPOConfig, *, ref_logp: torch.Tensor | None = None,
               entropy: torch.Tensor | None = None,
+              engine_logp: torch.Tensor | None = None,
               num_tokens: float | torch.Tensor | None = None,
               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The GRPO loss (differentiable in ``logp``) and its metrics, all token means over ``mask``.
 
-    ``entropy`` (per token, optional) is reported only. Metrics are detached scalar tensors:
-    ``train/loss``, ``train/pg_loss``, ``train/kl`` (when ``kl_coef > 0``), ``train/clip_frac``,
-    ``train/ratio_mean``, ``train/entropy`` (when given). ``train/num_tokens`` is the masked count.
+    ``entropy`` (per token, optional) is reported only; ``engine_logp`` (the rollout engine's) is
+    read only with ``tis_cap > 0``. Metrics are detached scalar tensors: ``train/loss``,
+    ``train/pg_loss``, ``train/kl`` (when ``kl_coef > 0``), ``train/clip_frac``,
+    ``train/ratio_mean``, ``train/entropy`` (when given), ``train/tis_weight_mean`` (with
+    ``tis_cap``). ``train/num_tokens`` is the masked count.
     """
     mask = mask.to(logp.dtype)
     pg, clipped = clipped_policy_loss(logp, old_logp, advantages.to(logp.dtype),
                                       config.clip_eps_low, config.clip_eps_high)
-    per_token = pg
     metrics = {}
+    if config.tis_cap > 0.0:
+        if engine_logp is None:
+            raise ValueError("tis_cap > 0 needs engine_logp (the rollout engine's logprobs)")
+        weight = torch.exp(old_logp - engine_logp).clamp(max=config.tis_cap).detach()
+        pg = pg * weight
+        metrics["train/tis_weight_mean"] = token_mean(weight, mask, num_tokens)
+    per_token = pg
     if config.kl_coef > 0.0:
         if ref_logp is None:
             raise ValueError("kl_coef > 0 needs ref_logp (the reference policy's token logprobs)")

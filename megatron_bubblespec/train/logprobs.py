@@ -15,12 +15,14 @@ from megatron_bubblespec.train.forward import broadcast_from_last_stage, megatro
 
 
 def forward_logprobs(model, tokens: torch.Tensor, vocab_size: int, micro_batch_size: int,
-                     device) -> torch.Tensor:
-    """Token-aligned logprobs [B, S] of ``tokens`` under ``model`` (forward only), on every rank
-    of the replica, on the CPU."""
+                     device, temperature: float = 1.0) -> torch.Tensor:
+    """Token-aligned logprobs [B, S] of ``tokens`` under ``model`` (forward only) at
+    ``temperature`` (of softmax(logits / T)), on every rank of the replica, on the CPU."""
     on_device = tokens.to(device)
 
     def on_logits(logits, rows):
+        if temperature != 1.0:
+            logits = logits / temperature
         return token_logprobs(logits, on_device[rows], vocab_size)[0]
 
     parts = megatron_forward(model, tokens, on_logits, micro_batch_size=micro_batch_size)

@@ -45,6 +45,7 @@ from megatron_bubblespec.distributed.cpu_compat import megatron_cpu_mode
 from megatron_bubblespec.distributed.world import expert_parallel_max
 from megatron_bubblespec.models.architecture import ModelSpec
 from megatron_bubblespec.train.batch import GRPOBatch
+from megatron_bubblespec.train.fingerprint import fingerprint, world_fingerprint
 from megatron_bubblespec.train.forward import (broadcast_from_last_stage, context_parallel_gather,
                                                context_parallel_length, context_parallel_split,
                                                model_config)
@@ -66,6 +67,7 @@ class TrainerConfig:
     adam_eps: float = 1e-8
     clip_grad: float = 1.0                 # max global grad norm; 0 = no clipping
     micro_batch_size: int = 1
+    temperature: float = 1.0               # the rollout's: the policy is softmax(logits / T)
     use_distributed_optimizer: bool = False
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
@@ -88,18 +90,27 @@ class GRPOLossStep:
     """Megatron's ``forward_step_func`` for a GRPO step: a micro-batch -> the model's output and
     the loss function Megatron applies to its logits on the last stage -> (loss sum, token count,
     metric sums). It keeps each micro-batch's token logprobs, so the step's own forward also gives
-    the logprobs under the weights before the update."""
+    the logprobs under the weights before the update.
 
-    def __init__(self, grpo: GRPOConfig, vocab_size: int, context_parallel: bool):
+    The policy is the sampling distribution, softmax(logits / T) at the rollout's temperature T:
+    the loss, the old logprobs and the entropy are of it. A micro-batch without old logprobs (the
+    loop's) takes this forward's own, detached: one update per step, so the ratio is 1 and its
+    gradient the policy gradient, as verl's on-policy path does. The logprobs of the logits
+    themselves (T = 1) are kept too, for the on-policy check against the engine's raw ones."""
+
+    def __init__(self, grpo: GRPOConfig, vocab_size: int, context_parallel: bool,
+                 temperature: float = 1.0):
         self.grpo, self.vocab_size, self.context_parallel = grpo, vocab_size, context_parallel
+        self.temperature = temperature
         self.names: list[str] = []                # metric names, in the order of the sums
         self.logprobs: list[torch.Tensor] = []    # per micro-batch (last stage), in order
+        self.raw_logprobs: list[torch.Tensor] = []   # the same at T = 1 (only when T != 1)
 
     def __call__(self, data_iterator, model):
         mb: GRPOBatch = next(data_iterator)
         tokens, labels = mb.tokens, None
         positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        per_token = [mb.old_logprobs, mb.response_mask, mb.ref_logprobs]
+        per_token = [mb.old_logprobs, mb.response_mask, mb.ref_logprobs, mb.engine_logprobs]
         if self.context_parallel:
             # This CP rank's share; a token's values move to the position predicting it.
             shift = lambda t: torch.nn.functional.pad(t[:, 1:], (0, 1))  # noqa: E731
@@ -107,30 +118,42 @@ class GRPOLossStep:
             present = [shift(t) for t in per_token if t is not None]
             tokens, positions, labels, *present = context_parallel_split(
                 tokens, positions, labels, *present)
-            per_token = present + [None] * (3 - len(present))
+            shares = iter(present)
+            per_token = [None if t is None else next(shares) for t in per_token]
         return model(tokens, positions, None), partial(self.loss, tokens, labels, *per_token,
                                                        mb.advantages)
 
-    def loss(self, tokens, labels, old_logprobs, response_mask, ref_logprobs, advantages,
-             logits):
+    def _logprobs(self, logits, tokens, labels, with_entropy: bool):
+        if labels is not None:
+            return label_logprobs(logits, labels, self.vocab_size, with_entropy=with_entropy)
+        return token_logprobs(logits, tokens, self.vocab_size, with_entropy=with_entropy)
+
+    def loss(self, tokens, labels, old_logprobs, response_mask, ref_logprobs, engine_logprobs,
+             advantages, logits):
         """The micro-batch's loss from its logits (``labels``: the label-aligned targets under
         context parallelism, else None: the tokens themselves, token-aligned)."""
-        if labels is not None:
-            logp, entropy = label_logprobs(logits, labels, self.vocab_size, with_entropy=True)
-        else:
-            logp, entropy = token_logprobs(logits, tokens, self.vocab_size, with_entropy=True)
+        tempered = logits if self.temperature == 1.0 else logits / self.temperature
+        logp, entropy = self._logprobs(tempered, tokens, labels, with_entropy=True)
+        if tempered is not logits:
+            with torch.no_grad():   # the logits' own cross entropy reuses them: nothing reads them
+                self.raw_logprobs.append(
+                    self._logprobs(logits.detach(), tokens, labels, False)[0].float())
         self.logprobs.append(logp.detach().float())
-        loss_sum, sums = grpo_loss(logp, old_logprobs, advantages, response_mask, self.grpo,
-                                   ref_logp=ref_logprobs, entropy=entropy, num_tokens=1.0)
+        old = logp.detach() if old_logprobs is None else old_logprobs
+        loss_sum, sums = grpo_loss(logp, old, advantages, response_mask, self.grpo,
+                                   ref_logp=ref_logprobs, entropy=entropy,
+                                   engine_logp=engine_logprobs, num_tokens=1.0)
         self.names[:] = sorted(sums)
         count = response_mask.sum().to(torch.int)
         return loss_sum, count, torch.stack([sums[k].float() for k in self.names])
 
-    def token_logprobs(self, seq: int) -> torch.Tensor | None:
-        """The step's logprobs as token-aligned [B, seq] rows (last stage; None elsewhere)."""
-        if not self.logprobs:
+    def token_logprobs(self, seq: int, raw: bool = False) -> torch.Tensor | None:
+        """The step's logprobs as token-aligned [B, seq] rows (last stage; None elsewhere): of
+        the sampling distribution, or with ``raw`` of the logits themselves (T = 1)."""
+        parts = self.raw_logprobs if raw and self.raw_logprobs else self.logprobs
+        if not parts:
             return None
-        step = torch.cat(self.logprobs)
+        step = torch.cat(parts)
         if self.context_parallel:   # label-aligned CP shares -> whole token-aligned rows
             step = torch.nn.functional.pad(context_parallel_gather(step), (1, 0))
         return step[:, :seq]
@@ -143,6 +166,7 @@ class TrainStep(NamedTuple):
 
     metrics: dict[str, float]     # the same on every rank
     logprobs: torch.Tensor        # [B, S] response-token logprobs under the weights before it
+    raw_logprobs: torch.Tensor    # the same of the logits at T = 1 (the engines report those)
 
 
 class MegatronTrainer:
@@ -206,23 +230,28 @@ class MegatronTrainer:
     # ---------------------------------------------------------------------------- logprobs
 
     def logprobs(self, tokens: torch.Tensor, response_mask: torch.Tensor | None = None,
-                 micro_batch_size: int | None = None) -> torch.Tensor:
-        """Token-aligned logprobs [B, S] of ``tokens`` under the current weights, on every rank of
-        the replica, on the CPU (zero outside ``response_mask`` when given)."""
-        return self._logprobs(self.model, tokens, response_mask, micro_batch_size)
+                 micro_batch_size: int | None = None, raw: bool = False) -> torch.Tensor:
+        """Token-aligned logprobs [B, S] of ``tokens`` under the current weights (the sampling
+        distribution at ``temperature``; with ``raw``, the logits' own at T = 1), on every rank
+        of the replica, on the CPU (zero outside ``response_mask`` when given)."""
+        return self._logprobs(self.model, tokens, response_mask, micro_batch_size,
+                              1.0 if raw else self.config.temperature)
 
     def reference_logprobs(self, tokens: torch.Tensor,
                            response_mask: torch.Tensor | None = None) -> torch.Tensor:
         """As ``logprobs``, under the frozen reference policy (only with ``grpo.kl_coef > 0``)."""
         if self.reference is None:
             raise ValueError("no reference policy: the trainer keeps one only with kl_coef > 0")
-        return self._logprobs(self.reference, tokens, response_mask, None)
+        return self._logprobs(self.reference, tokens, response_mask, None,
+                              self.config.temperature)
 
-    def _logprobs(self, model, tokens, response_mask, micro_batch_size) -> torch.Tensor:
+    def _logprobs(self, model, tokens, response_mask, micro_batch_size,
+                  temperature: float) -> torch.Tensor:
         mbs = micro_batch_size or self.config.micro_batch_size
         if len(tokens) % mbs:
             mbs = len(tokens)
-        result = forward_logprobs(model, tokens, self.spec.vocab_size, mbs, self.device)
+        result = forward_logprobs(model, tokens, self.spec.vocab_size, mbs, self.device,
+                                  temperature)
         return result if response_mask is None else result * response_mask.cpu()
 
     # ---------------------------------------------------------------------------- training
@@ -230,7 +259,11 @@ class MegatronTrainer:
     def train_step(self, batch: GRPOBatch) -> TrainStep:
         """One optimizer step on this DP rank's ``batch`` -> the metrics (the same on every rank)
         and the batch's response-token logprobs [B, S] under the weights *before* the step
-        (computed by the step's own forward, on every rank of the replica)."""
+        (computed by the step's own forward, on every rank of the replica).
+
+        The metrics carry fingerprints (``train.fingerprint``, collective over the world) of what
+        the learner read, ``exact/batch_hash``, and of the weights and optimizer state after the
+        step, ``exact/state_hash``: two runs are bitwise the same learner while they agree."""
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -243,6 +276,10 @@ class MegatronTrainer:
         if self.config.grpo.kl_coef > 0 and batch.ref_logprobs is None:
             batch = replace(batch, ref_logprobs=self.reference_logprobs(batch.tokens,
                                                                         batch.response_mask))
+        batch_hash = world_fingerprint(
+            fingerprint(batch.fingerprint_tensors(self.config.grpo.tis_cap > 0)), self.device)
+        # what the learner does not read (without tis_cap): where on and off runs may differ
+        engine_hash = world_fingerprint(fingerprint([batch.engine_logprobs]), self.device)
         batch = batch.to(self.device)
         # one length over the TP x EP group (MoE token gather); the padding is outside the mask
         width = expert_parallel_max(seq)
@@ -252,7 +289,8 @@ class MegatronTrainer:
         if cp:   # whole 2 x CP chunks
             batch = batch.padded_to(context_parallel_length(
                 batch.tokens.shape[1], model_config(self.module).sequence_parallel))
-        loss_step = GRPOLossStep(self.config.grpo, self.spec.vocab_size, cp)
+        loss_step = GRPOLossStep(self.config.grpo, self.spec.vocab_size, cp,
+                                 self.config.temperature)
         lr = float(self.optimizer.param_groups[0]["lr"])
         with megatron_cpu_mode():
             self.model.train()
@@ -269,15 +307,39 @@ class MegatronTrainer:
                 self.steps += 1
         metrics = self._global_metrics(loss_step.names,
                                        sums if ps.is_pipeline_last_stage() else None)
-        logprobs = broadcast_from_last_stage(loss_step.token_logprobs(seq), (size, seq),
-                                              self.device).cpu()
+        mask = batch.response_mask[:, :seq].cpu()
+        gathered = lambda raw: broadcast_from_last_stage(  # noqa: E731
+            loss_step.token_logprobs(seq, raw=raw), (size, seq), self.device).cpu() * mask
+        logprobs = gathered(False)
+        raw = gathered(True) if self.config.temperature != 1.0 else logprobs
         metrics.update({
             "train/grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
             "train/lr": lr,
             "train/update_skipped": float(not updated),
             "train/step_s": time.perf_counter() - start,
+            "exact/batch_hash": batch_hash,
+            "exact/engine_logprobs_hash": engine_hash,
+            "exact/state_hash": world_fingerprint(fingerprint(self._state_tensors()),
+                                                  self.device),
         })
-        return TrainStep(metrics, logprobs * batch.response_mask[:, :seq].cpu())
+        return TrainStep(metrics, logprobs, raw)
+
+    def _state_tensors(self):
+        """This rank's training state in a fixed order: its parameters, then each optimizer
+        parameter that is not one of them (bf16 training's float32 main weights) and its state
+        (Adam's moments and step)."""
+        params = [p for _, p in self.module.named_parameters()]
+        yield from params
+        own = {id(p) for p in params}
+        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for group in optimizer.optimizer.param_groups:
+                for param in group["params"]:
+                    if id(param) not in own:
+                        yield param
+                    state = optimizer.optimizer.state.get(param, {})
+                    for name in sorted(state):
+                        value = state[name]
+                        yield value if torch.is_tensor(value) else torch.tensor(float(value))
 
     def _global_metrics(self, names: list[str],
                         sums: list[torch.Tensor] | None) -> dict[str, float]:
