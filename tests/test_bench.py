@@ -14,10 +14,11 @@ from megatron_bubblespec.config.schema import PROPOSAL_SOURCES
 from megatron_bubblespec.data.lookahead import LookaheadSampler
 from megatron_bubblespec.loop.layout import RolloutLayout
 from megatron_bubblespec.loop.run_dir import RunDir
-from megatron_bubblespec.measure.bench import (add_bench_parser, bench, compare, compare_steps,
-                                               finished_run, steady_state_first_step,
-                                               token_mismatch)
-from megatron_bubblespec.measure.bench_report import markdown_steps, markdown_summary
+from megatron_bubblespec.measure.bench import (add_bench_parser, before_step, bench, compare,
+                                               compare_steps, finished_run,
+                                               learner_parted_at_step, parted_at_step,
+                                               steady_state_first_step, token_mismatch)
+from megatron_bubblespec.measure.bench_report import markdown, markdown_steps, markdown_summary
 from megatron_bubblespec.measure.plain_replay import check_replayable, load_run, step_requests
 
 from conftest import TINY
@@ -56,6 +57,8 @@ def test_bench_json_has_the_paired_numbers(result):
     out, r = result
     assert set(KEYS) <= set(r)
     assert r["token_mismatch"] == 0 and r["token_mismatch_samples"] == 0
+    assert r["parted_at_step"] is None and r["learner_parted_at_step"] is None
+    assert all(s["exact/state_hash"] for s in r["series"]["on"])
     for key in RATIOS:
         assert r[key] is not None and math.isfinite(r[key]) and r[key] > 0, key
     assert r["decode_steps_ratio"] < 1  # drafts save decode steps from the second step on
@@ -156,6 +159,42 @@ def test_token_mismatch_counts_positions_lengths_and_missing_samples():
     assert token_mismatch([{0: [1, 2, 3], 1: [4]}], [{0: [1, 9, 3, 5], 1: [4]}]) == (2, 1)
     assert token_mismatch([{0: [1], 1: [2, 3]}], [{0: [1]}]) == (2, 1)
     assert token_mismatch([{0: [1]}, {0: [2]}], [{0: [1]}]) == (1, 1)
+
+
+def test_parting_is_the_first_step_whose_tokens_or_fingerprints_differ():
+    on = [{0: [1, 2]}, {0: [3]}, {0: [4, 5]}, {0: [6]}]
+    assert parted_at_step(on, on) is None
+    assert parted_at_step(on, [*on[:2], {0: [4, 9]}, {0: [7]}]) == 2
+    assert parted_at_step(on, [*on[:3], {0: [6], 1: []}]) == 3   # a sample only one run has
+    assert parted_at_step(on, on[:3]) == 3                       # a step only one run has
+    records = [{"step": s, "exact/batch_hash": 7.0, "exact/state_hash": float(s)}
+               for s in range(4)]
+    assert learner_parted_at_step(records, records) is None
+    changed = [*records[:1], {**records[1], "exact/state_hash": 9.0}, *records[2:]]
+    assert learner_parted_at_step(records, changed) == 1
+    assert learner_parted_at_step(records, [{"step": s} for s in range(4)]) is None
+    assert [r["step"] for r in before_step(records, 2)] == [0, 1]
+    assert before_step(records, None) == records
+
+
+def test_a_parted_bench_compares_the_steps_before_the_parting_only():
+    def run(decode):
+        return [{"step": s, "rollout/decode_steps": d, "rollout/time_s": 1.0}
+                for s, d in enumerate(decode)]
+    on, off = run([100, 50, 50, 900]), run([100, 100, 100, 100])
+    r = compare(*(before_step(x, 3) for x in (on, off)), steady_from=2)
+    assert r["decode_steps_ratio"] == pytest.approx(0.5) and r["steps_compared"] == 2
+    assert r["steady_state"]["steps_compared"] == 1
+    result = {**r, "name": "x", "config": "c.yaml", "overrides": [], "steps": 4,
+              "parted_at_step": 3, "learner_parted_at_step": 1,
+              "series": {"on": on, "off": off},
+              "machine": {"cpus_usable": 2, "cpu_count": 2, "torch": "t", "cuda": None,
+                          "started": "s", "date": "d", "wall_s": 1.0, "loadavg_1_5_15": None}}
+    md = markdown(result)
+    assert "parted at step 3" in md and "steps < 3 only" in md
+    assert "learners parted at step 1" in md
+    same = markdown({**result, "parted_at_step": None, "learner_parted_at_step": None})
+    assert "rolled out the same tokens at every step" in same and "parted" not in same
 
 
 def test_ratios_start_at_step_one_and_are_nan_without_data():

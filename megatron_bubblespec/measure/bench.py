@@ -64,6 +64,11 @@ The comparison:
 * exactness: ``token_mismatch`` = response token positions that differ between the two runs over
   all steps and samples (a length difference counts its extra tokens, a sample missing from one run
   all of its tokens) and ``token_mismatch_samples`` = samples with any difference; both must be 0;
+  ``parted_at_step`` = the first step whose tokens differ (None: never). From that step on the two
+  runs do different work, so every other number above and below is over the steps before it only
+  (``steps_compared`` says how many); ``learner_parted_at_step`` = the first step whose learner
+  fingerprints (``exact/batch_hash``, ``exact/state_hash``) differ, None when they never do or
+  the runs did not record them;
 * training: ``lr`` (the on run's last logged learning rate), ``policy_drift_kl_mean`` (mean over
   the on run's steps of ``policy/drift_kl``; ``policy_drift_kl_mean_off`` the off run's),
   ``reward_mean_on`` / ``reward_mean_off``;
@@ -120,6 +125,27 @@ def token_mismatch(on: Sequence[Mapping[int, Sequence[int]]],
                 tokens += diff
                 samples += 1
     return tokens, samples
+
+
+def parted_at_step(on: Sequence[Mapping[int, Sequence[int]]],
+                   off: Sequence[Mapping[int, Sequence[int]]]) -> int | None:
+    """The first step whose rollouts differ between the two runs (None: none does)."""
+    for step in range(max(len(on), len(off))):
+        if token_mismatch(on[step:step + 1], off[step:step + 1])[0]:
+            return step
+    return None
+
+
+LEARNER_FINGERPRINTS = ("exact/batch_hash", "exact/state_hash")
+
+
+def learner_parted_at_step(on: Sequence[Record], off: Sequence[Record]) -> int | None:
+    """The first step whose learner fingerprints differ (None: none does, or not recorded)."""
+    for a, b in zip(on, off):
+        for name in LEARNER_FINGERPRINTS:
+            if name in a and name in b and a[name] != b[name]:
+                return int(value(a, "step"))
+    return None
 
 
 def steady_state_first_step(cfg) -> int:
@@ -187,6 +213,11 @@ def compare_steps(on: Sequence[Record], off: Sequence[Record], plain: Sequence[R
         "continuation_accept_rate": ratio(continued, proposed),
         **{result: total_of(on, key) for key, result, _, _ in SOURCE_COUNTS},
     }
+
+
+def before_step(records: Sequence[Record], step: int | None) -> list[Record]:
+    """The records of the steps before ``step`` (all of them when ``step`` is None)."""
+    return [r for r in records if step is None or value(r, "step") < step]
 
 
 def compare(on: Sequence[Record], off: Sequence[Record], plain: Sequence[Record] = (),
@@ -275,15 +306,20 @@ def bench(config_path: str | Path, out_dir: str | Path, overrides: Sequence[str]
         dirs["plain"] = str(out / f"{cfg.run.name}-plain")
         series["plain"] = _plain_records(cfg, out, resume and "off" in reused, reused)
     mismatch, mismatch_samples = token_mismatch(runs["on"]["rollouts"], runs["off"]["rollouts"])
+    parted = parted_at_step(runs["on"]["rollouts"], runs["off"]["rollouts"])
     steady_from = steady_state_first_step(cfg)
     result = {
         "name": cfg.run.name,
         "config": str(config_path),
         "overrides": overrides,
         "runs": dirs,
-        **compare(on, off, series.get("plain", ()), steady_from),
+        **compare(*(before_step(records, parted) for records in (on, off, series.get("plain", ()))),
+                  steady_from),
+        "steps": len(on),
         "token_mismatch": mismatch,
         "token_mismatch_samples": mismatch_samples,
+        "parted_at_step": parted,
+        "learner_parted_at_step": learner_parted_at_step(on, off),
         "machine": {**machine_info(), "started": started.isoformat(timespec="seconds"),
                     "wall_s": time.perf_counter() - t0, "reused": reused},
         "series": series,

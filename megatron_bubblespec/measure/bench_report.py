@@ -119,12 +119,28 @@ def markdown_steps(on: Sequence[Record], off: Sequence[Record],
     return "\n".join(lines)
 
 
+def _parting(result: Mapping[str, object]) -> str:
+    """The sentence of bench.md on whether the two runs stayed the same."""
+    parted, learner = result.get("parted_at_step"), result.get("learner_parted_at_step")
+    learner_text = ("" if learner is None else
+                    f" The learners parted at step {learner} (their fingerprints differ).")
+    if parted is None:
+        same = ("the learner's inputs and weights bitwise equal at every step too"
+                if learner is None and "exact/state_hash" in (result["series"]["on"] or [{}])[0]
+                else "")
+        return ("The on and off runs rolled out the same tokens at every step"
+                + (f", {same}." if same else ".") + learner_text)
+    return (f"**The on and off runs parted at step {parted}**: its tokens differ, so from it on "
+            f"the runs do different work; every ratio and sum of the summary is over steps "
+            f"< {parted} only (the token mismatch counts all steps)." + learner_text)
+
+
 def _regimes(result: Mapping[str, object]) -> str:
     """The paragraph of bench.md on the two step ranges and the plain baseline."""
     first = result["steady_state"]["first_step"]
     before = "step 1 takes its" if first == 2 else f"steps 1 .. {first - 1} take their"
     text = (f"Whole run: ratios over steps >= 1 (bubble, token mismatch and training over all "
-            f"steps). Steady state: steps >= {first}; before it, {before} drafts (if any) "
+            f"compared steps). Steady state: steps >= {first}; before it, {before} drafts (if any) "
             f"from step 0's bubble (ablation.draft_lookahead + spec.draft_horizon - 1 = {first - 1}), "
             f"the bubble of a step rolled out without drafts.")
     if not result["steady_state"]["steps_compared"]:
@@ -156,6 +172,8 @@ def markdown(result: Mapping[str, object]) -> str:
            if m.get("reused") else "."),
         "",
         _regimes(result),
+        "",
+        _parting(result),
         "",
         markdown_summary(result),
         "",
