@@ -43,6 +43,10 @@ def test_text_overrides_keep_their_text():
      "needs spec.speculative_continuation=true"),
     (["rollout.kv_block_size=20"], "rollout.kv_block_size=20 must be a multiple of 16"),
     (["ablation.draft_order=longest"], "ablation.draft_order"),
+    (["rollout.temperature=0"], "rollout.temperature=0 samples greedily"),
+    (["train.tis_cap=0.5"], r"train.tis_cap=0.5 must be 0 \(off\) or >= 1"),
+    (["train.tis_cap=2", "rollout.temperature=0.7"],
+     "train.tis_cap=2 weighs tokens by Megatron's over the engine's probability"),
     (["noequals"], "key=value"),
     (["bogus.key=1"], "bogus"),
 ])

@@ -150,6 +150,34 @@ def test_kl_k3_is_nonnegative_and_zero_at_equal_policies():
         grpo_loss(logp[:6].view(2, 3), logp[:6].view(2, 3), torch.ones(2), mask, GRPO)
 
 
+def test_truncated_importance_sampling_weighs_tokens_by_trainer_over_engine():
+    """Off by default (the engine's logprobs are not read); with a cap, each token's policy loss
+    is weighted by min(exp(old - engine), cap), and the weight carries no gradient."""
+    g = torch.Generator().manual_seed(2)
+    mask = torch.tensor([[0.0, 1, 1, 1], [0, 1, 1, 0]])
+    old = -2 + 0.1 * torch.randn(2, 4, generator=g)
+    engine = old - torch.tensor([[0.0, 0.5, -0.5, 3.0], [0, 0.0, 1.0, 0]])
+    adv = torch.tensor([1.0, -1.0])
+    logp = old.clone().requires_grad_()
+    plain, metrics = grpo_loss(logp, old, adv, mask, replace(GRPO, kl_coef=0.0), engine_logp=engine)
+    assert "train/tis_weight_mean" not in metrics
+    weighted, metrics = grpo_loss(logp, old, adv, mask, replace(GRPO, kl_coef=0.0, tis_cap=2.0),
+                                  engine_logp=engine)
+    weight = torch.exp(old - engine).clamp(max=2.0)
+    assert weight[0, 3] == 2.0 and weight[0, 2] < 1   # one capped, one below 1
+    per_token, _ = clipped_policy_loss(logp, old, adv, GRPO.clip_eps_low, GRPO.clip_eps_high)
+    torch.testing.assert_close(weighted, (per_token * weight * mask).sum() / mask.sum())
+    torch.testing.assert_close(metrics["train/tis_weight_mean"], token_mean(weight, mask))
+    assert not torch.allclose(weighted, plain)
+    weighted.backward()   # d/dlogp of -ratio * A * w at ratio 1: -A * w / tokens
+    want = -(adv[:, None] * weight * mask) / mask.sum()
+    torch.testing.assert_close(logp.grad, want)
+    with pytest.raises(ValueError, match="engine_logp"):
+        grpo_loss(logp, old, adv, mask, replace(GRPO, tis_cap=2.0), ref_logp=old)
+    with pytest.raises(ValueError, match="tis_cap"):
+        GRPOConfig(tis_cap=-1.0)
+
+
 def test_batch_packing_and_logprob_gap():
     tokens, mask = pack_sequences([[5, 6], [7]], [[8, 9, 10], [11]])
     assert tokens.tolist() == [[5, 6, 8, 9, 10], [7, 11, 0, 0, 0]]
@@ -158,6 +186,10 @@ def test_batch_packing_and_logprob_gap():
     assert gather_responses(scatter_responses(values, mask), mask) == values
     batch = GRPOBatch.from_responses([[5, 6], [7]], [[8, 9, 10], [11]], values, [1.0, -1.0])
     assert torch.equal(batch.tokens, tokens) and len(batch.dp_shard(1, 2)) == 1
+    # the engine's logprobs ride along; the old ones come from the trainer's own forward
+    assert batch.old_logprobs is None
+    assert gather_responses(batch.engine_logprobs, mask) == values
+    assert batch.padded_to(7).engine_logprobs.shape == (2, 7) and batch.rows(slice(1, 2)).old_logprobs is None
     assert _max_gap(values, [[-1.0, -2.5, -3.0], [-3.75]]) == 0.5
     with pytest.raises(ValueError, match="differ in shape"):
         _max_gap(values, [[-1.0], [-4.0]])
@@ -397,6 +429,54 @@ def test_train_step_reports_the_logprobs_before_its_update(checkpoint, batch, pp
     engine-vs-Megatron check reads), on every pipeline stage."""
     for before, last in launch_local(_step_logprobs_worker, pp, checkpoint, batch.data, pp):
         torch.testing.assert_close(last, before, rtol=0, atol=1e-6)
+
+
+def _temperature_worker(checkpoint, batch, pp, temperatures):
+    """Per temperature T, a trainer whose rollouts were drawn at T: its logprobs (tempered and
+    raw) and one step's, on a batch without old logprobs (the loop's)."""
+    init_distributed(1, pp, seed=7)
+    out = {}
+    for temperature in temperatures:
+        trainer = _trainer(checkpoint, replace(TRAIN, micro_batch_size=2, temperature=temperature,
+                                               grpo=replace(GRPO, kl_coef=0.0)))
+        data = replace(batch, old_logprobs=None, ref_logprobs=None)
+        tempered = trainer.logprobs(data.tokens, data.response_mask)
+        raw = trainer.logprobs(data.tokens, data.response_mask, raw=True)
+        step = trainer.train_step(data)
+        out[temperature] = (tempered, raw, step)
+    destroy_distributed()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp", [1, 2])
+def test_the_learner_scores_the_distribution_the_rollout_samples(checkpoint, batch, pp):
+    """At rollout temperature T the policy is softmax(logits / T): the learner's logprobs, the
+    step's own ones and its entropy are of it (computed here independently in transformers);
+    the raw ones (T = 1, what engines report for the on-policy check) are the logits' own; and
+    with the old logprobs from the step's own forward, the ratio is exactly 1."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    tokens, mask = batch.data.tokens, batch.data.response_mask
+    with torch.no_grad():
+        logits = model(tokens).logits[:, :-1].float()
+    temperatures = (0.5, 0.7)
+    for out in launch_local(_temperature_worker, pp, checkpoint, batch.data, pp, temperatures):
+        for temperature, (tempered, raw, step) in out.items():
+            dist = torch.log_softmax(logits / temperature, dim=-1)
+            want = torch.nn.functional.pad(dist.gather(-1, tokens[:, 1:, None])[..., 0],
+                                           (1, 0)) * mask
+            entropy = torch.nn.functional.pad(-(dist.exp() * dist).sum(-1), (1, 0))
+            for got in (tempered, step.logprobs):
+                torch.testing.assert_close(got, want, rtol=0, atol=HF_LOGPROB_ATOL)
+            torch.testing.assert_close(raw, batch.logp, rtol=0, atol=HF_LOGPROB_ATOL)
+            torch.testing.assert_close(step.raw_logprobs, raw, rtol=0, atol=1e-6)
+            assert float((want - batch.logp).abs().max()) > 0.1   # T matters on this batch
+            assert step.metrics["train/entropy"] == pytest.approx(
+                float(token_mean(entropy, mask)), abs=LOSS_ATOL)
+            assert step.metrics["train/ratio_mean"] == pytest.approx(1.0, abs=1e-6)
+            assert step.metrics["train/clip_frac"] == 0.0
 
 
 def _kl_worker(checkpoint, batch, kl_coef, steps):
