@@ -163,8 +163,8 @@ def learn(trainer, engine, cfg: Config, plan: StepPlan, results: list[RolloutRes
     weights). ``engine`` (this rank's engine or shard) sleeps meanwhile when the config asks.
 
     The learner reads the engine's tokens and nothing else of it: the GRPO ratio's old logprobs
-    are the step's own Megatron forward's (``train.batch``), so the weights do not depend on
-    whether a token's engine logprob came from a verify row or a decode row. The engine's
+    are the step's own Megatron forward's (``train.batch``), so the weights do not depend on the
+    engine steps a token's engine logprob came from (their last bits differ on and off). The engine's
     logprobs feed the on-policy check (at T = 1, the logits the engine reports) and, only with
     ``train.tis_cap``, the correction that reads them."""
     advantages = group_advantages(torch.tensor([x.total for x in rewards]),
