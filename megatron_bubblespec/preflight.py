@@ -37,13 +37,11 @@ from megatron_bubblespec.config import Config, ConfigError
 from megatron_bubblespec.models.architecture import ModelSpec
 from megatron_bubblespec.models.layout import check_expert_layout
 
-CHAT_TASKS = ("arithmetic", "gsm8k", "jsonl")        # data.task values that need a tokenizer
 # Files of a model directory that the ranks read when present (transformers, vLLM), by kind.
 JSON_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json",
               "pytorch_model.bin.index.json", "tokenizer.json", "tokenizer_config.json",
               "special_tokens_map.json", "added_tokens.json", "vocab.json", "chat_template.json")
 TEXT_FILES = ("merges.txt", "chat_template.jinja")
-FILE_TASKS = ("gsm8k", "jsonl")                      # every prompt is checked
 GENERATED_PROMPTS_CHECKED = 4096
 
 
@@ -63,6 +61,7 @@ class PreflightReport:
 def preflight(cfg: Config) -> PreflightReport:
     """Check the model directory, the dataset rows and the prompt lengths of ``cfg``; raise
     PreflightError (a ConfigError) naming the problem and its fix, else report what was checked."""
+    from megatron_bubblespec.data.registry import finite
     from megatron_bubblespec.data.tasks import check_prompt_lengths
 
     _check_vllm(cfg)
@@ -79,13 +78,14 @@ def preflight(cfg: Config) -> PreflightReport:
         raise PreflightError(
             f"{_source(cfg)} has {task.size} prompt(s), fewer than rollout.prompts_per_step="
             f"{cfg.rollout.prompts_per_step}; add prompts or lower rollout.prompts_per_step")
-    count = task.size if cfg.data.task in FILE_TASKS else min(task.size, GENERATED_PROMPTS_CHECKED)
+    count = task.size if finite(cfg) else min(task.size, GENERATED_PROMPTS_CHECKED)
     prompts = _prompts(cfg, task, count)
     limit = cfg.data.max_prompt_tokens
     try:
         longest = check_prompt_lengths(task, limit, range(count))
     except ValueError as error:
-        where = (f" (uid jsonl-N is line N of {cfg.data.path})" if cfg.data.task == "jsonl" else "")
+        prefix = "" if cfg.data.task == "jsonl" else f"{cfg.data.task}-"
+        where = f" (uid {prefix}jsonl-N is line N of {cfg.data.path})" if cfg.data.path else ""
         raise PreflightError(
             f"data.max_prompt_tokens={limit}: {error}{where}. Longer prompts need "
             f"data.max_prompt_tokens + rollout.max_new_tokens <= model.max_model_len (now {limit} "
@@ -143,7 +143,9 @@ def _check_model(cfg: Config) -> tuple[Path | None, ModelSpec]:
                       if m.path == "smollm2" else ("", f"re-download or re-convert {it}"))
         raise PreflightError(f"model.path={m.path!r}{where}: " + "; ".join(damaged) + f"; {fix}")
     try:
-        spec = check_checkpoint(path, tokenizer=cfg.data.task in CHAT_TASKS)
+        from megatron_bubblespec.data.registry import task_entry
+
+        spec = check_checkpoint(path, tokenizer=task_entry(cfg.data.task).chat)
     except CheckpointError as error:
         raise PreflightError(f"model.path={m.path!r}: {error}") from None
     return path, spec
@@ -340,12 +342,12 @@ def check_world(world_size: int, cfg: Config, launcher: str = "the launcher") ->
 def _build_task(cfg: Config, vocab_size: int):
     """The run's task, built as the ranks build it (``data.tasks.task_from_config``)."""
     from megatron_bubblespec.data.jsonl import DatasetError
-    from megatron_bubblespec.data.tasks import task_from_config
+    from megatron_bubblespec.data.registry import task_from_config
 
     try:
         return task_from_config(cfg, vocab_size)
     except DatasetError as error:          # its message names the file
-        key = "data.path" if cfg.data.task == "jsonl" else f"data.task={cfg.data.task}"
+        key = "data.path" if cfg.data.path else f"data.task={cfg.data.task}"
         raise PreflightError(f"{key}: {error}") from None
     except (ValueError, OSError) as error:
         raise PreflightError(f"data.task={cfg.data.task} with model.path={cfg.model.path!r}: "
@@ -381,8 +383,7 @@ def _check_vocab(cfg: Config, task, prompts: list, vocab_size: int) -> None:
 
 
 def _source(cfg: Config) -> str:
-    source = (f"data.path={cfg.data.path!r}" if cfg.data.task == "jsonl" else
-              f"data.task={cfg.data.task}")
+    source = f"data.path={cfg.data.path!r}" if cfg.data.path else f"data.task={cfg.data.task}"
     if cfg.data.max_prompts:
         source += f" with data.max_prompts={cfg.data.max_prompts}"
     return source

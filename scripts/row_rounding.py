@@ -35,6 +35,7 @@ import argparse
 import json
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -129,7 +130,8 @@ def main(argv=None) -> int:
     recorder = RowRecorder(args.full_rows, args.full_row_every)
     recorder.install()
     options = engine_options(cfg)
-    options.update(reuse_draft_kv=False, measure_cost_at_rows=None)
+    options.update(continuation=replace(options["continuation"], reuse_draft_kv=False),
+                   measure_cost_at_rows=None)
     engine = build_engine(path, **options)
     r = cfg.rollout
     params = SamplingParams(r.temperature, r.top_k, r.top_p)

@@ -10,6 +10,7 @@ from megatron_bubblespec.rollout.base import RolloutEngine
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
+from megatron_bubblespec.spec.continuation import ContinuationSettings
 
 VOCAB = 11
 
@@ -124,7 +125,7 @@ def _lockstep_rank(rank: int, init: str, out: str) -> None:
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     shard = CountingEngine()
-    shard.spec_token_cost = 0.25
+    shard.continuation = ContinuationSettings.of("spec.proposal_token_cost=0.25")
     params = SamplingParams(1.0)
     try:
         if rank == 1:

@@ -33,6 +33,7 @@ from megatron_bubblespec.models.architecture import load_checkpoint, perturb_che
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams, gumbel_noise, sample_key
 from megatron_bubblespec.sampling.requests import Proposals, RolloutRequest
+from megatron_bubblespec.spec.continuation import ContinuationSettings
 from megatron_bubblespec.spec.megatron_verifier import MegatronVerifier
 from megatron_bubblespec.tokens import pad_token_rows
 from megatron_bubblespec.train.forward import megatron_forward
@@ -60,6 +61,11 @@ def _requests(step: int) -> list[RolloutRequest]:
             for p in range(PROMPTS) for i in range(GROUP)]
 
 
+CONTINUATION = ContinuationSettings.of(   # k 4, the prompt's drafts, drafts verified by Megatron
+    "spec.min_match=2", "ablation.proposal_sources=[bubble,realign]",
+    "spec.proposal_token_cost=null", "spec.verifier=megatron", "spec.reuse_draft_kv=false")
+
+
 def _engine(path, dtype_name: str, on_gpu: bool):
     """vLLM with speculative continuation, or the reference engine with the reason vLLM is off."""
     try:
@@ -67,10 +73,10 @@ def _engine(path, dtype_name: str, on_gpu: bool):
 
         gpu = dict(gpu_memory_utilization=0.25) if on_gpu else dict(kv_cache_memory_bytes=64 << 20)
         engine = VLLMEngine(path, dtype=dtype_name if on_gpu else "float32", max_model_len=256,
-                            speculative_continuation=True, **gpu)
+                            continuation=CONTINUATION, **gpu)
         return engine, "vllm" + (" (CUDA)" if on_gpu else " (CPU)"), None
     except ImportError as err:
-        return (ReferenceEngine(path, speculative_continuation=True, max_model_len=256),
+        return (ReferenceEngine(path, continuation=CONTINUATION, max_model_len=256),
                 "reference (CPU)", f"vllm not importable: {err}")
 
 

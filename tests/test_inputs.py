@@ -17,7 +17,8 @@ from megatron_bubblespec.config import ConfigError, load_config
 from megatron_bubblespec.preflight import PreflightError, preflight
 from megatron_bubblespec.data.gsm8k import load_gsm8k
 from megatron_bubblespec.data.jsonl import DatasetError, JsonlRecord, load_jsonl
-from megatron_bubblespec.data.tasks import JsonlTask, Task, task_from_config
+from megatron_bubblespec.data.registry import task_from_config
+from megatron_bubblespec.data.tasks import JsonlTask, Task
 from megatron_bubblespec.models.architecture import (
     CheckpointError,
     check_checkpoint,
@@ -184,7 +185,7 @@ def test_jsonl_needs_an_existing_path(tmp_path):
     with pytest.raises(ConfigError, match=r"data\.path='.*nothere\.jsonl': no such file"):
         _cfg("data.task=jsonl", f"data.path={tmp_path / 'nothere.jsonl'}")
     path = _write(tmp_path / "d.jsonl", [GOOD])
-    with pytest.raises(ConfigError, match="data.path=.* is only read with data.task=jsonl"):
+    with pytest.raises(ConfigError, match=r"data.path=.* is only read with data.task in \['jsonl', 'code'\]"):
         _cfg(f"data.path={path}")
 
 

@@ -38,7 +38,7 @@ from megatron_bubblespec.metrics import (
 from megatron_bubblespec.metrics.formatting import count, number, percent, scientific, seconds
 from megatron_bubblespec.metrics.plots import plot_decode_breakdown
 from megatron_bubblespec.metrics.reduce import bubble_utilization
-from megatron_bubblespec.metrics.registry import DERIVED, METRICS, REPORTED, SOURCE, lookup
+from megatron_bubblespec.metrics.registry import DERIVED, METRICS, PART, REPORTED, SOURCE, lookup
 
 # Three ranks of one step: rank 1 is the straggler (12 s), rank 2 drafted nothing it could use.
 RANKS = [
@@ -53,7 +53,9 @@ RANKS = [
      "rollout/engine_steps": 40, "spec/continuation_proposed_tokens": 12,
      "spec/continuation_accepted_tokens": 9,
      "sync/reshard_s": 1.0, "sync/reshard_bytes": 1000, "sync/logprob_abs_diff": 0.01,
-     "train/loss": 0.5, "train/reward_mean": 0.25, "train/accuracy": 0.0, "train/kl": 0.01, "train/grad_norm": 1.0,
+     "train/loss": 0.5, "train/reward_mean": 0.25, "train/accuracy": 0.0,
+     "train/reward/correct": 0.0, "train/reward/format": 0.25,
+     "train/reward_timeouts": 0, "train/reward_s": 1.5, "train/kl": 0.01, "train/grad_norm": 1.0,
      "train/lr": 1e-6, "policy/drift_kl": 0.002, "exact/weight_version": 3,
      "spec/proposal_token_cost": 0.2, "memory/rss_peak_gb": 2.5},
     {"rollout/time_s": 12.0, "rollout/decode_steps": 120, "rollout/decode_steps_plain": 200,
@@ -67,7 +69,9 @@ RANKS = [
      "rollout/engine_steps": 64, "spec/continuation_proposed_tokens": 8,
      "spec/continuation_accepted_tokens": 2,
      "sync/reshard_s": 1.2, "sync/reshard_bytes": 1000, "sync/logprob_abs_diff": 0.02,
-     "train/loss": 0.7, "train/reward_mean": 0.75, "train/accuracy": 0.5, "train/kl": 0.03, "train/grad_norm": 1.0,
+     "train/loss": 0.7, "train/reward_mean": 0.75, "train/accuracy": 0.5,
+     "train/reward/correct": 0.5, "train/reward/format": 0.25,
+     "train/reward_timeouts": 1, "train/reward_s": 2.5, "train/kl": 0.03, "train/grad_norm": 1.0,
      "train/lr": 1e-6, "policy/drift_kl": 0.004, "exact/weight_version": 3,
      "spec/proposal_token_cost": 0.4, "memory/rss_peak_gb": 2.75},
     {"rollout/time_s": 9.0, "rollout/decode_steps": 90, "rollout/decode_steps_plain": 90,
@@ -81,7 +85,9 @@ RANKS = [
      "rollout/engine_steps": 30, "spec/continuation_proposed_tokens": 0,
      "spec/continuation_accepted_tokens": 0,
      "sync/reshard_s": 1.1, "sync/reshard_bytes": 1000, "sync/logprob_abs_diff": 0.015,
-     "train/loss": 0.6, "train/reward_mean": 0.5, "train/accuracy": 0.25, "train/kl": 0.02, "train/grad_norm": 1.0,
+     "train/loss": 0.6, "train/reward_mean": 0.5, "train/accuracy": 0.25,
+     "train/reward/correct": 1.0, "train/reward/format": 0.0,
+     "train/reward_timeouts": 0, "train/reward_s": 0.5, "train/kl": 0.02, "train/grad_norm": 1.0,
      "train/lr": 1e-6, "policy/drift_kl": 0.003, "exact/weight_version": 3,
      "memory/rss_peak_gb": 2.25},
 ]
@@ -155,9 +161,12 @@ def test_aggregate_keeps_bubble_metrics_per_rank():
 def test_every_engine_metric_and_every_derived_one_reaches_the_record():
     rec = aggregate_step(0, RANKS)
     expected = {name for name, m in METRICS.items()
-                if (m.reduce in REPORTED and not m.per_source) or m.reduce == DERIVED}
+                if (m.reduce in REPORTED and not m.family) or m.reduce == DERIVED}
     assert expected <= set(rec), sorted(expected - set(rec))
     assert rec["memory/rss_peak_gb"] == 2.75 and rec["rank2/memory/rss_peak_gb"] == 2.25
+    # a reward part is a mean over the engines, the timeouts a sum, the stage's time the longest
+    assert close(rec["train/reward/correct"], 0.5) and close(rec["train/reward/format"], 1 / 6)
+    assert rec["train/reward_timeouts"] == 1 and rec["train/reward_s"] == 2.5
     # measured per engine at start-up (ablation.measure_proposal_cost); an engine without one is left out
     assert close(rec["spec/proposal_token_cost"], 0.3)
 
@@ -210,10 +219,12 @@ def _emitted_keys(path) -> set[str]:
 def _known(key: str) -> bool:
     if "{x}" not in key:
         return lookup(key) is not None
-    # f"spec/continuation_{kind}_tokens/{source}": every spelling must be a per-source family
-    families = [m for m in METRICS.values() if m.per_source]
+    # f"spec/continuation_{kind}_tokens/{source}", f"train/reward/{part}": every spelling must
+    # be a family's
+    families = [m for m in METRICS.values() if SOURCE in m.name or PART in m.name]
     pattern = re.compile("^" + re.escape(key).replace(r"\{x\}", "[a-z_]+") + "$")
-    return any(pattern.match(m.name.replace(SOURCE, "any")) for m in families)
+    return any(pattern.match(m.name.replace(SOURCE, "any").replace(PART, "any"))
+               for m in families)
 
 
 def test_every_metric_the_producers_emit_is_registered():

@@ -11,6 +11,8 @@ from megatron_bubblespec.models.architecture import (
 from megatron_bubblespec.sampling.requests import Proposals, RolloutRequest
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams, keyed_sample, sample_key
+from megatron_bubblespec.spec.continuation import ContinuationSettings
+from megatron_bubblespec.spec.rules import RuleChoice
 from megatron_bubblespec.spec.pool import DraftPool
 
 pytestmark = pytest.mark.slow
@@ -108,7 +110,9 @@ def test_speculative_continuation_is_exact_and_saves_decode_steps(checkpoint, pe
                               for p in plain],
         "random": [[torch.randint(3, 256, (NEW_TOKENS,), generator=g).tolist()] for _ in prompts],
     }
-    engine = ReferenceEngine(checkpoint, speculative_continuation=True, spec_k=6)
+    engine = ReferenceEngine(checkpoint, continuation=ContinuationSettings.of(
+        "spec.spec_k=6", "spec.min_match=2", "ablation.proposal_sources=[bubble,realign]",
+        "spec.proposal_token_cost=null"))
     for kind, pool in pools.items():
         results = engine.generate(_requests(prompts, pools=pool), params)
         assert [r.token_ids for r in results] == [p.token_ids for p in plain], kind
@@ -242,13 +246,13 @@ def test_ablation_rules_use_the_drafting_policy(checkpoint, perturbed, rule):
     engine = ReferenceEngine(checkpoint, keep_previous_weights=True)
     drafts = [r.token_ids for r in engine.generate(_requests(prompts, max_new=16), params)]
     requests = _requests(prompts, max_new=16)
-    same = engine.verify(requests, drafts, params, rule=rule)
+    same = engine.verify(requests, drafts, params, rule=RuleChoice(rule))
     assert same.accepted.tolist() == [len(d) for d in drafts]
 
     _, tensors = load_checkpoint(perturbed)
     engine.update_weights(tensors.items())     # previous_model keeps the drafting policy
-    moved = engine.verify(requests, drafts, params, rule=rule)
+    moved = engine.verify(requests, drafts, params, rule=RuleChoice(rule))
     assert moved.accepted.sum() < sum(map(len, drafts))
 
     with pytest.raises(ValueError, match="keep_previous_weights"):
-        ReferenceEngine(checkpoint).verify(requests, drafts, params, rule=rule)
+        ReferenceEngine(checkpoint).verify(requests, drafts, params, rule=RuleChoice(rule))

@@ -18,8 +18,8 @@ from megatron_bubblespec.data.tasks import (
     Task,
     check_prompt_lengths,
     has_marked_answer,
-    make_task,
 )
+from megatron_bubblespec.data.registry import TASKS, make_task
 
 
 DEFAULT = str(Path(__file__).resolve().parents[1] / "configs" / "default.yaml")
@@ -120,11 +120,15 @@ def test_prompt_too_long_names_the_uid():
 # ----------------------------------------------------------------------------- factory
 
 def test_make_task():
-    task = make_task("synthetic-arithmetic", seed=1, size=8)
+    task = make_task("synthetic", seed=1, size=8)
     assert isinstance(task, SyntheticArithmeticTask) and task.size == 8
-    with pytest.raises(ValueError, match="unknown task 'gsm9k': valid names are arithmetic_word, "
-                                         "gsm8k, jsonl, synthetic_arithmetic"):
+    with pytest.raises(ValueError, match="unknown task 'gsm9k': valid names are arithmetic, code, "
+                                         "gsm8k, jsonl, synthetic"):
         make_task("gsm9k")
+
+
+def test_a_task_has_one_name_the_config_and_its_class_share():
+    assert all(entry.cls.name == name for name, entry in TASKS.items())
 
 
 # ----------------------------------------------------------------------------- chat tasks
@@ -194,7 +198,7 @@ def test_marked_answer_format():
 
 
 def test_arithmetic_word_task(tokenizer):
-    task = make_task("arithmetic_word", seed=2, size=32, tokenizer=tokenizer)
+    task = make_task("arithmetic", seed=2, size=32, tokenizer=tokenizer)
     p = task.prompt(5)
     a, b = (int(x) for x in p.text.removeprefix("What is ").removesuffix("?").split(" + "))
     assert p.uid == "arith-2-5" and p.answer == str(a + b)
@@ -212,7 +216,7 @@ def test_data_max_prompts_cuts_gsm8k_to_its_first_prompts_so_they_recur():
     once every 4 steps (the history source needs prompts that come back)."""
     from megatron_bubblespec.config import load_config
     from megatron_bubblespec.data.lookahead import LookaheadSampler
-    from megatron_bubblespec.data.tasks import task_from_config
+    from megatron_bubblespec.data.registry import task_from_config
 
     cfg = load_config(DEFAULT, ["data.max_prompts=8"])
     whole = task_from_config(load_config(DEFAULT, []), 49152)

@@ -22,8 +22,8 @@ from scipy.stats import binomtest, chisquare
 
 from megatron_bubblespec.sampling.requests import settle_eos
 from megatron_bubblespec.sampling import SamplingParams, keyed_sample, sample_key
+from megatron_bubblespec.spec.rules import RULES as REGISTERED
 from megatron_bubblespec.spec import (
-    EXACT_RULES,
     Verification,
     verify_keyed,
     verify_lenient,
@@ -559,7 +559,7 @@ def test_first_token_follows_p_exactly_for_the_exact_rules_only(rule, kwargs):
     assert _pvalue(y, Q) > 1e-3                        # the drafts really are q-distributed
     first = torch.where(res.accepted == 1, y, res.next_token)
     pvalue = _pvalue(first, P)
-    if EXACT_RULES[rule]:
+    if REGISTERED[rule].exact:
         assert pvalue > 1e-3
     else:
         assert pvalue < 1e-6
@@ -576,7 +576,7 @@ def test_residual_rejections_follow_the_residual_distribution():
 
 def test_every_labelled_rule_is_measured():
     """The exactness labels are checked against the draws above for every rule that has one."""
-    assert set(EXACT_RULES) == set(RULES)
+    assert set(REGISTERED) == set(RULES)
 
 
 @pytest.mark.parametrize("rule", [verify_residual, verify_lenient])

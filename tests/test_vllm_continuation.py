@@ -26,6 +26,7 @@ from megatron_bubblespec.rollout.reference import ReferenceEngine  # noqa: E402
 from megatron_bubblespec.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from megatron_bubblespec.sampling import SamplingParams, sample_key  # noqa: E402
 from megatron_bubblespec.sampling.requests import Proposals, RolloutRequest  # noqa: E402
+from megatron_bubblespec.spec.continuation import ContinuationSettings  # noqa: E402
 from megatron_bubblespec.spec.pool import Continuation, DraftPool, PromptIndex, Siblings  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -33,6 +34,16 @@ pytestmark = pytest.mark.slow
 VOCAB = 256
 MAX_NEW = 48
 SPEC_K = 4
+
+
+def _settings(*overrides: str) -> ContinuationSettings:
+    """These tests' engines: up to SPEC_K tokens a step, matches of 2 .. 8 tokens, proposing from
+    the prompt's drafts only, always k tokens, drafts verified outside the engine; then
+    ``overrides`` (config keys)."""
+    return ContinuationSettings.of(f"spec.spec_k={SPEC_K}", "spec.min_match=2", "spec.max_match=8",
+                                   "ablation.proposal_sources=[bubble,realign]",
+                                   "spec.proposal_token_cost=null", "spec.verifier=megatron",
+                                   "spec.reuse_draft_kv=false", *overrides)
 LOGPROB_TOL = 1e-6
 PARAMS = {"T1": SamplingParams(1.0), "greedy": SamplingParams(0.0),
           "T0.7-p0.9": SamplingParams(0.7, top_p=0.9)}
@@ -63,8 +74,7 @@ def plain_engine(checkpoint):
 
 @pytest.fixture(scope="module")
 def spec_engine(checkpoint):
-    engine = VLLMEngine(checkpoint, max_model_len=512, seed=0, speculative_continuation=True,
-                        spec_k=SPEC_K, spec_min_match=2, spec_max_match=8)
+    engine = VLLMEngine(checkpoint, max_model_len=512, seed=0, continuation=_settings())
     yield engine
     assert not engine.has_unfinished()
 
@@ -221,8 +231,7 @@ def test_reference_engine_agrees_with_continuation_on(checkpoint, spec_engine, p
     want = plain[name]
     pools = _pools("siblings", [r.token_ids for r in want], seed=11)
     prefixes = [r.token_ids[:c] for r, c in zip(want, [0, 3, 0, 9, 0, 1])]
-    reference = ReferenceEngine(checkpoint, speculative_continuation=True, spec_k=SPEC_K,
-                                spec_min_match=2, spec_max_match=8)
+    reference = ReferenceEngine(checkpoint, continuation=_settings())
     ref = reference.generate(_requests(f"ref-{name}", prompts, keys, pools, prefixes), PARAMS[name])
     got = spec_engine.generate(_requests(f"agree-{name}", prompts, keys, pools, prefixes),
                                PARAMS[name])
@@ -257,9 +266,9 @@ def test_continuation_pauses_after_misses():
 
 
 ALL_SOURCES = ("bubble", "realign", "prompt", "history", "self", "siblings")
-SOURCES_OPTIONS = dict(speculative_continuation=True, spec_k=SPEC_K, spec_min_match=2,
-                       spec_max_match=8, proposal_sources=ALL_SOURCES)
-ADAPTIVE_OPTIONS = dict(SOURCES_OPTIONS, spec_token_cost=0.4)
+SOURCES_OPTIONS = dict(continuation=_settings(f"ablation.proposal_sources=[{','.join(ALL_SOURCES)}]"))
+ADAPTIVE_OPTIONS = dict(continuation=_settings(
+    f"ablation.proposal_sources=[{','.join(ALL_SOURCES)}]", "spec.proposal_token_cost=0.4"))
 
 
 # Every vLLM engine of this module lives until the module ends: an in-process engine's teardown
@@ -441,7 +450,9 @@ def test_own_draft_is_proposed_whole_until_the_response_leaves_it():
 @pytest.fixture(scope="module")
 def verify_engine(checkpoint):
     """An engine that verifies requests' own drafts (spec.verifier: engine), no continuation."""
-    engine = VLLMEngine(checkpoint, max_model_len=512, seed=0, verify_drafts=True)
+    engine = VLLMEngine(checkpoint, max_model_len=512, seed=0,
+                        continuation=_settings("spec.speculative_continuation=false",
+                                               "spec.verifier=engine"))
     yield engine
     assert not engine.has_unfinished()
 
@@ -503,7 +514,7 @@ def test_in_rollout_verification_from_a_prefix_with_eos_and_a_malformed_draft(ve
 def test_a_draft_needs_an_engine_that_verifies_it(plain_engine, prompts, keys):
     request = _requests("no-verify", prompts[:1], keys)[0]
     request.draft = [5, 6, 7]
-    with pytest.raises(ValueError, match="verify_drafts=True"):
+    with pytest.raises(ValueError, match="built without verify_drafts"):
         plain_engine.add([request], PARAMS["T1"])
     assert not plain_engine.has_unfinished()
 
@@ -595,9 +606,9 @@ def test_a_cost_measured_at_start_up_sets_the_widths_and_keeps_the_tokens(measur
     and proposes by the measured cost from then on; the tokens stay plain decoding's."""
     engine = measured_engine
     measured = engine.spec_token_cost
-    assert measured != ADAPTIVE_OPTIONS["spec_token_cost"] and 0.0 <= measured <= 10.0
+    assert measured != ADAPTIVE_OPTIONS["continuation"].token_cost and 0.0 <= measured <= 10.0
     assert not engine.has_unfinished()
-    assert engine.proposal_sources == ALL_SOURCES   # restored after the measurement
+    assert engine.continuation.sources == ALL_SOURCES   # restored after the measurement
     want = plain["T1"]
     pools = _pools("siblings", [r.token_ids for r in want], seed=5)
     requests = _requests("measured", prompts, keys, pools)
@@ -607,7 +618,7 @@ def test_a_cost_measured_at_start_up_sets_the_widths_and_keeps_the_tokens(measur
     _assert_same(got, want, "measured cost")
     # the measurement proposed from the drafts only; the rollouts after it use every source
     assert any(r.by_source.get("realign", (0, 0))[0] for r in got)
-    with pytest.raises(ValueError, match="needs speculative_continuation=True"):
+    with pytest.raises(ValueError, match="needs speculative continuation on"):
         plain_engine.measure_proposal_cost(4)
 
 
@@ -638,8 +649,8 @@ def test_a_drafting_request_asks_for_no_logprobs_and_keeps_the_tokens(request, e
 
 @pytest.fixture(scope="module")
 def verifying_engine(checkpoint):
-    engine = VLLMEngine(checkpoint, max_model_len=512, seed=0, speculative_continuation=True,
-                        spec_k=SPEC_K, spec_min_match=2, spec_max_match=8, verify_drafts=True)
+    engine = VLLMEngine(checkpoint, max_model_len=512, seed=0,
+                        continuation=_settings("spec.verifier=engine"))
     yield engine
     assert not engine.has_unfinished()
 
@@ -714,8 +725,8 @@ def budgeted_engine(checkpoint):
     from megatron_bubblespec.rollout.factory import build_engine
 
     engine = build_engine(checkpoint, kind="vllm", max_model_len=512, seed=0,
-                          max_num_batched_tokens=BUDGET, speculative_continuation=True,
-                          spec_k=SPEC_K, spec_min_match=2, spec_max_match=8, verify_drafts=True)
+                          max_num_batched_tokens=BUDGET,
+                          continuation=_settings("spec.verifier=engine"))
     yield engine
     assert not engine.has_unfinished()
 

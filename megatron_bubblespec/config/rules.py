@@ -163,16 +163,30 @@ def _check_verifier(cfg: Config) -> None:
                           "(its keyed draws need each sequence's logits whole on a rank); use "
                           "spec.verifier=engine (drafts verified inside vLLM's rollout, any "
                           "layout) or spec.enabled=false")
-    if spec.verifier == "engine" and cfg.rollout.engine == "vllm" and cfg.ablation.rule != "keyed":
+    rule = _verification_rule(cfg)
+    if spec.verifier == "engine" and cfg.rollout.engine == "vllm" and "vllm" not in rule.verifiers:
         raise ConfigError(f"spec.verifier=engine on vLLM verifies with the keyed rule only "
-                          f"(ablation.rule={cfg.ablation.rule!r} needs the drafts' distributions); use "
-                          "ablation.rule=keyed, or rollout.engine=reference")
+                          f"(ablation.rule={rule.name!r} runs on: {', '.join(rule.verifiers)}); "
+                          "use ablation.rule=keyed, or rollout.engine=reference")
+
+
+def _verification_rule(cfg: Config):
+    """``ablation.rule`` in the verification rules' registry (``spec.rules``)."""
+    from megatron_bubblespec.spec.rules import RULES as VERIFICATION_RULES
+
+    if cfg.ablation.rule not in VERIFICATION_RULES:
+        raise ConfigError(f"ablation.rule={cfg.ablation.rule!r} is not a verification rule; "
+                          f"choose one of {list(VERIFICATION_RULES)} (spec/rules.py registers "
+                          "them)")
+    return VERIFICATION_RULES[cfg.ablation.rule]
 
 
 def _check_ablation_rule(cfg: Config) -> None:
-    """residual/lenient need the drafter's full distribution q for every draft token."""
-    rule, p = cfg.ablation.rule, cfg.parallel
-    if not cfg.spec.enabled or rule == "keyed":
+    """A rule that runs in the reference engine only: there, on one rank's whole model (the
+    drafting policy's distributions, kept by the engine, for the rules that read them)."""
+    verification_rule, p = _verification_rule(cfg), cfg.parallel
+    rule = verification_rule.name
+    if not cfg.spec.enabled or "vllm" in verification_rule.verifiers:
         return
     if cfg.rollout.engine != "reference" or p.tensor != 1 or p.pipeline != 1:
         raise ConfigError(f"ablation.rule={rule!r} (an ablation rule) needs the drafts' "
@@ -225,17 +239,24 @@ def _check_model_dtype(cfg: Config) -> None:
 
 def _check_data(cfg: Config) -> None:
     """The dataset file and the token budget: prompt + response must fit the model's context."""
+    from megatron_bubblespec.data.registry import TASKS
+
     d, r, m = cfg.data, cfg.rollout, cfg.model
-    if d.task == "jsonl":
-        if not d.path:
-            raise ConfigError("data.task=jsonl needs data.path: set data.path=FILE.jsonl, a "
-                              'file of {"question": ..., "answer": ...} rows, one per line')
-        if not Path(d.path).is_file():
-            raise ConfigError(f"data.path={d.path!r}: no such file; point it at a JSONL file of "
-                              '{"question": ..., "answer": ...} rows')
-    elif d.path:
-        raise ConfigError(f"data.path={d.path!r} is only read with data.task=jsonl (data.task="
-                          f"{d.task!r} has its own data); set data.task=jsonl or drop data.path")
+    if d.task not in TASKS:
+        raise ConfigError(f"data.task={d.task!r} is not a task; choose one of {list(TASKS)} "
+                          "(data/registry.py registers them)")
+    entry = TASKS[d.task]
+    readers = [name for name, e in TASKS.items() if e.path != "never"]
+    if entry.path == "required" and not d.path:
+        raise ConfigError(f"data.task={d.task} needs data.path: set data.path=FILE.jsonl, a "
+                          "file of its rows, one JSON object per line")
+    if entry.path == "never" and d.path:
+        raise ConfigError(f"data.path={d.path!r} is only read with data.task in {readers} "
+                          f"(data.task={d.task!r} has its own data); set data.task or drop "
+                          "data.path")
+    if d.path and not Path(d.path).is_file():
+        raise ConfigError(f"data.path={d.path!r}: no such file; point it at a JSONL file of "
+                          f"data.task={d.task}'s rows")
     if d.max_prompt_tokens < 1:
         raise ConfigError(f"data.max_prompt_tokens={d.max_prompt_tokens} must be >= 1")
     if d.max_prompts < 0:

@@ -132,7 +132,8 @@ class AblationConfig:
     """Switches that exist to reproduce the paper's ablations (``scripts/ablations/``); the main
     job runs at these values."""
 
-    rule: str = "keyed"             # keyed (exact) | residual, lenient: other verification rules
+    # keyed (exact) | residual, lenient: other verification rules (spec.rules registers them)
+    rule: str = "keyed"
     lenience: float = 2.0           # the lenient rule accepts when u <= lenience * p/q (SPEC-RL)
     draft_source: str = "bubble"    # bubble (BubbleSpec) | previous_epoch (SPEC-RL-like)
     draft_lookahead: int = 1        # bubble drafts are made for step t + k (k > 1: staler drafts)
@@ -172,13 +173,16 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    task: str = "gsm8k"             # synthetic | arithmetic | gsm8k | jsonl
-    path: str = ""                  # jsonl: a file of {"question": ..., "answer": ...} rows
+    task: str = "gsm8k"             # synthetic | arithmetic | gsm8k | jsonl | code (data.registry)
+    path: str = ""                  # jsonl, code: a file of rows, one JSON object per line
     split: str = "train"
     size: int = 512                 # prompts of the synthetic tasks
     max_prompts: int = 0            # use only the task's first N prompts (0: all); few enough and
     #                                 a run sees each prompt again (the history proposal source)
     max_prompt_tokens: int = 320
+    # a step's rewards are computed within this time, or score 0 and are logged (the code task's
+    # sandboxes; data.code_task)
+    reward_time_limit_s: float = 60.0
 
 
 @dataclass
@@ -210,9 +214,7 @@ DRAFT_ORDERS = ("engines", "stragglers")
 CHOICES = {
     "rollout.engine": ("vllm", "reference"),
     "parallel.order": ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"),
-    "ablation.rule": ("keyed", "residual", "lenient"),
     "spec.verifier": ("megatron", "engine"),
-    "data.task": ("synthetic", "arithmetic", "gsm8k", "jsonl"),
     "ablation.draft_source": ("bubble", "previous_epoch"),
     "ablation.draft_order": DRAFT_ORDERS,
     "data.split": ("train", "test"),

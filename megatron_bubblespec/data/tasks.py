@@ -1,11 +1,15 @@
-"""Tasks: prompt index -> Prompt (uid, token ids, reference answer); response token ids -> reward.
+"""Tasks: prompt index -> Prompt (uid, token ids, reference answer, the task's own data); responses ->
+rewards.
 
 A task is the learner's whole view of the data: ``size`` prompts addressed by index (the lookahead
 sampler chooses indices), each with a stable ``uid`` (it enters every sample key) and token ids,
 and a ``reward`` that maps a response (token ids, EOS included when the engine stopped on one) to a
-``RewardBreakdown``: a total and its named, weighted parts, which sum to the total.
+``RewardBreakdown``: a total and its named, weighted parts, which sum to the total. ``rewards`` is
+the batch form the loop's reward stage calls (``score``: a task without it is scored one response
+at a time). Tasks are registered, with what the config rules and preflight need to know of them,
+in ``data.registry``.
 
-Four tasks:
+Four tasks here, a fifth (``data.code_task``: Python functions run against test cases) beside:
 
 ``SyntheticArithmeticTask`` (tiny random models, no tokenizer) works in token-id space: digit d is
 token ``DIGIT0 + d``, then ``PLUS`` and ``EQUALS``; EOS is 2, as in ``make_tiny_checkpoint``. The
@@ -35,7 +39,6 @@ varies within its groups until it does.
 
 Every task takes ``max_prompt_tokens``: a longer prompt raises a ValueError naming its uid when it
 is built. ``check_prompt_lengths`` runs that check over a whole task before training starts.
-``task_from_config`` builds the task a run's ``data`` config names.
 """
 
 from __future__ import annotations
@@ -68,8 +71,10 @@ class Prompt:
     uid: str                  # stable across runs; part of every sample key
     index: int                # position in its task
     token_ids: list[int]
-    answer: str               # reference answer, a normalised number ("82")
+    answer: str               # reference answer: a normalised number ("82"), or "" when the
+    #                           task's data holds what a response is checked against
     text: str = ""            # readable question, for logs
+    data: Mapping[str, object] = field(default_factory=dict)   # the task's own (JSON values)
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,7 @@ class RewardBreakdown:
     total: float
     parts: Mapping[str, float] = field(default_factory=dict)   # weighted; they sum to ``total``
     correct: bool = False     # the response holds the right answer (for accuracy metrics)
+    outcome: str = ""         # how checking it went, when that can fail (``data.sandbox``)
 
 
 @runtime_checkable
@@ -88,6 +94,15 @@ class Task(Protocol):
     def prompt(self, index: int) -> Prompt: ...
 
     def reward(self, prompt: Prompt, response_token_ids: Sequence[int]) -> RewardBreakdown: ...
+
+
+def score(task: Task, prompts: Sequence[Prompt],
+          responses: Sequence[Sequence[int]]) -> list[RewardBreakdown]:
+    """A batch's rewards: the task's ``rewards`` when it has one, else one ``reward`` a response."""
+    batch = getattr(task, "rewards", None)
+    if batch is not None:
+        return list(batch(prompts, responses))
+    return [task.reward(p, r) for p, r in zip(prompts, responses)]
 
 
 def check_prompt_lengths(task: Task, max_prompt_tokens: int,
@@ -134,7 +149,7 @@ def _operands(seed: int, index: int, max_operand: int) -> tuple[int, int]:
 class SyntheticArithmeticTask:
     """``a + b =`` in token-id space for tiny random models (see the module docstring)."""
 
-    name = "synthetic_arithmetic"
+    name = "synthetic"
     WEIGHTS = {"correct": 0.6, "close": 0.3, "format": 0.1}
     CLOSE_WIDTH = 32          # token-id distance at which ``close`` credit reaches 0
     FORMAT_SLACK = 2          # EOS may come up to this many tokens after the answer
@@ -284,7 +299,7 @@ class GSM8KTask(_ChatTask):
 class ArithmeticWordTask(_ChatTask):
     """"What is a + b?" as chat prompts: easier than GSM8K, same reward shape."""
 
-    name = "arithmetic_word"
+    name = "arithmetic"
 
     def __init__(self, seed: int = 0, size: int = 1024, tokenizer=None, *, max_operand: int = 99,
                  system_prompt: str | None = None, instruction: str = DEFAULT_INSTRUCTION,
@@ -317,46 +332,3 @@ class JsonlTask(_ChatTask):
     def _question(self, index: int) -> tuple[str, str, str]:
         record = self.records[index]
         return record.uid, record.question, record.answer
-
-
-TASKS = {cls.name: cls for cls in (SyntheticArithmeticTask, ArithmeticWordTask, GSM8KTask,
-                                   JsonlTask)}
-CONFIG_TASKS = {"synthetic": "synthetic_arithmetic", "arithmetic": "arithmetic_word",
-                "gsm8k": "gsm8k", "jsonl": "jsonl"}       # data.task -> task name
-BUILTIN_MODELS = ("tiny", "smollm2")       # model.path values that are not a directory
-
-
-def make_task(name: str, **kwargs) -> Task:
-    """The task called ``name`` ("-" and "_" alike), built with ``kwargs``."""
-    key = name.strip().lower().replace("-", "_")
-    if key not in TASKS:
-        raise ValueError(f"unknown task {name!r}: valid names are {', '.join(sorted(TASKS))}")
-    return TASKS[key](**kwargs)
-
-
-def task_from_config(cfg, vocab_size: int) -> Task:
-    """The task of a run's config (``cfg.data``, ``cfg.run.seed``) for a model of ``vocab_size``
-    tokens, cut to its first ``data.max_prompts`` prompts when that is set. The chat tasks use
-    the tokenizer of model.path when it is a checkpoint directory, SmolLM2's for
-    model.path=smollm2 (and tiny)."""
-    task = _whole_task(cfg, vocab_size)
-    if cfg.data.max_prompts:
-        task.size = min(task.size, cfg.data.max_prompts)  # every task indexes prompts < size
-    return task
-
-
-def _whole_task(cfg, vocab_size: int) -> Task:
-    data = cfg.data
-    name = CONFIG_TASKS[data.task]
-    if name == "synthetic_arithmetic":
-        return make_task(name, seed=cfg.run.seed, size=data.size, vocab_size=vocab_size)
-    tokenizer = None
-    if cfg.model.path not in BUILTIN_MODELS:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    if name == "arithmetic_word":
-        return make_task(name, seed=cfg.run.seed, size=data.size, tokenizer=tokenizer)
-    if name == "gsm8k":
-        return make_task(name, split=data.split, tokenizer=tokenizer)
-    return make_task(name, path=data.path, tokenizer=tokenizer)

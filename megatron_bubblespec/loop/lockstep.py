@@ -83,8 +83,7 @@ class LockstepEngine(RolloutEngine):
         raise RuntimeError("a tensor-parallel engine is updated shard by shard: every rank of the "
                            "replica loads the full tensors into its own engine shard")
 
-    def verify(self, requests, drafts, params: SamplingParams, rule: str = "keyed",
-               lenience: float = 1.0):
+    def verify(self, requests, drafts, params: SamplingParams, rule=None):
         raise NotImplementedError("a tensor-parallel engine does not verify drafts before the "
                                   "rollout: use spec.verifier=megatron, or spec.verifier=engine "
                                   "on vLLM (each request's draft is verified inside the rollout)")

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from megatron_bubblespec.cache import cache_dir
 from megatron_bubblespec.config import Config
 from megatron_bubblespec.data.lookahead import LookaheadSampler
-from megatron_bubblespec.data.tasks import Task, check_prompt_lengths, task_from_config
+from megatron_bubblespec.data.registry import task_from_config
+from megatron_bubblespec.data.tasks import Task, check_prompt_lengths
 from megatron_bubblespec.distributed import init_distributed, megatron_cpu_mode
 from megatron_bubblespec.distributed.world import default_store
 from megatron_bubblespec.loop.layout import RolloutLayout, build_layout

@@ -25,6 +25,7 @@ from megatron_bubblespec.config import Config
 from megatron_bubblespec.loop.layout import RolloutLayout
 from megatron_bubblespec.loop.lockstep import follow
 from megatron_bubblespec.loop.replica import Replica, RunState
+from megatron_bubblespec.loop.rewarding import score_rewards
 from megatron_bubblespec.loop.step_metrics import EngineRollout, bubble_metrics, engine_metrics
 from megatron_bubblespec.sampling.requests import RolloutResult
 from megatron_bubblespec.spec.bubble import BubbleDrafter
@@ -62,7 +63,7 @@ def run_step(rep: Replica, step: int) -> StepOutput:
     policy.remember(plan, results, group=_data_parallel_group())
 
     rep.beat(step, "learn")
-    rewards = [rep.task.reward(s.prompt, r.token_ids) for s, r in zip(plan.samples, results)]
+    rewards, reward_s = score_rewards(rep.task, rep.replica_group, plan.samples, results)
     sync_metrics, train_metrics = learn(rep.trainer, rep.engine_shard, cfg, plan, results,
                                         rewards, version)                           # 5 learn
     rep.beat(step, "reshard")
@@ -79,8 +80,9 @@ def run_step(rep: Replica, step: int) -> StepOutput:
     measured = cfg.spec.enabled and cfg.ablation.measure_proposal_cost
     metrics = engine_metrics(mine, share(verified.drafted), share(verified.settled(results)),
                              verified.seconds, share(rewards), sync_metrics, version,
-                             {"spec/proposal_token_cost": rep.engine.spec_token_cost}
-                             if measured else {})
+                             {"train/reward_s": reward_s,
+                              **({"spec/proposal_token_cost": rep.engine.spec_token_cost}
+                                 if measured else {})})
     return StepOutput(metrics, train_metrics,
                       {s.index: list(r.token_ids) for s, r in zip(share(plan.samples),
                                                                   mine.results)})

@@ -54,6 +54,7 @@ def engine_metrics(mine: EngineRollout, drafted: list[int], accepted: list[int],
         "rollout/max_response_len": max(lengths, default=0),
         "train/reward_mean": sum(x.total for x in rewards) / max(len(rewards), 1),
         "train/accuracy": sum(x.correct for x in rewards) / max(len(rewards), 1),
+        **reward_parts(rewards),
         "exact/weight_version": weight_version,
         "spec/drafted_samples": len(verified),
         "spec/drafted_tokens": sum(drafted),
@@ -67,6 +68,15 @@ def engine_metrics(mine: EngineRollout, drafted: list[int], accepted: list[int],
     if verified:
         metrics["spec/accepted_prefix_mean"] = sum(verified) / len(verified)
     metrics.update(measured)
+    return metrics
+
+
+def reward_parts(rewards) -> dict:
+    """train/reward/<part>: each part's mean over the samples, and how many ran out of time."""
+    parts = sorted({name for x in rewards for name in x.parts})
+    metrics = {f"train/reward/{part}": sum(x.parts.get(part, 0.0) for x in rewards)
+               / len(rewards) for part in parts}
+    metrics["train/reward_timeouts"] = sum(x.outcome == "timeout" for x in rewards)
     return metrics
 
 

@@ -206,7 +206,7 @@ def build_plain_engine(cfg, path: Path):
 
     options = engine_options(cfg)
     options.update(kind="vllm", keyed=False, tensor_parallel=1, keep_previous_weights=False,
-                   speculative_continuation=False, sleep_mode=False)
+                   continuation=None, sleep_mode=False)
     return build_engine(path, **options)
 
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 import math
 from typing import Iterable, Mapping, Sequence
 
-from megatron_bubblespec.metrics.registry import (DERIVED, MAX, MEAN, METRICS, PER_ENGINE_METRICS,
-                                                  REPORTED, SAME, SUM, WEIGHTED, engine_key,
-                                                  metrics_reduced_by, source_family)
+from megatron_bubblespec.metrics.registry import (DERIVED, MAX, MEAN, METRICS,
+                                                  PER_ENGINE_METRICS, REPORTED, SAME, SUM,
+                                                  WEIGHTED, engine_key, family_of,
+                                                  metrics_reduced_by)
 
 RankMetrics = Mapping[str, float | None]
 
@@ -86,7 +87,7 @@ def _check_reported(step: int, rank_metrics: Sequence[RankMetrics]) -> None:
 
 
 def _reportable(key: str) -> bool:
-    metric = METRICS.get(key) or source_family(key)
+    metric = METRICS.get(key) or family_of(key)
     return metric is not None and metric.reduce in REPORTED
 
 
@@ -97,17 +98,20 @@ def _reduced(step: int, rank_metrics: Sequence[RankMetrics]) -> dict:
 
     record: dict = {}
     plain = [m.name for m in metrics_reduced_by(SUM) if not m.per_source]
-    # The per-source counts come after the other sums, in key order.
-    by_source = sorted({k for m in rank_metrics for k in m if source_family(k) is not None})
+    # The families' members come after the other keys of their reduction, in key order.
+    members = sorted({k for m in rank_metrics for k in m if k not in METRICS
+                      and family_of(k) is not None})
+    by_source = [k for k in members if family_of(k).reduce == SUM]
     for key in (*plain, *by_source):
         if values := reported(key):
             record[key] = sum(values)
     for metric in metrics_reduced_by(MAX):
         if values := reported(metric.name):
             record[metric.name] = max(values)
-    for metric in metrics_reduced_by(MEAN):
-        if values := reported(metric.name):
-            record[metric.name] = sum(values) / len(values)
+    means = [m.name for m in metrics_reduced_by(MEAN) if not m.family]
+    for key in (*means, *(k for k in members if family_of(k).reduce == MEAN)):
+        if values := reported(key):
+            record[key] = sum(values) / len(values)
     for metric in metrics_reduced_by(WEIGHTED):
         if (mean := _weighted_mean(step, rank_metrics, metric.name, metric.weight)) is not None:
             record[metric.name] = mean

@@ -17,7 +17,8 @@ Reductions over the rollout engines of one step (``reduce``):
 
 The continuation's token counts per proposal source are one declaration per family,
 ``spec/continuation_{proposed,accepted}_tokens/{source}``, for every source of
-``config.schema.PROPOSAL_SOURCES`` (:func:`source_key`).
+``config.schema.PROPOSAL_SOURCES``; a task's reward parts (``data.tasks.RewardBreakdown``) are one
+family, ``train/reward/{part}``, its members named by the task (:func:`family_of`).
 
 ``over_run`` is the whole-run value of a metric from its step records (``run_totals``).
 """
@@ -37,6 +38,7 @@ SUM, MAX, MEAN, WEIGHTED, SAME = "sum", "max", "mean", "weighted", "same"
 DERIVED, TRAINER, PER_ENGINE = "derived", "trainer", "per_engine"
 REPORTED = (SUM, MAX, MEAN, WEIGHTED, SAME)    # what an engine may report
 SOURCE = "{source}"                             # the placeholder of a per-source family
+PART = "{part}"                                 # the placeholder of the reward parts' family
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,11 @@ class Metric:
     def per_source(self) -> bool:
         """A family of keys, one per proposal source (``.../{source}``)."""
         return self.name.endswith("/" + SOURCE)
+
+    @property
+    def family(self) -> bool:
+        """A family of keys, one per proposal source or reward part."""
+        return SOURCE in self.name or PART in self.name
 
     def for_source(self, source: str) -> tuple[str, str]:
         """(record key, label) of a per-source family's member."""
@@ -105,6 +112,8 @@ _METRICS = [
     Metric("spec/continuation_proposed_tokens", SUM, count, "continuation proposed tokens"),
     Metric("spec/continuation_accepted_tokens", SUM, count, "continuation accepted tokens"),
     Metric("sync/reshard_bytes", SUM, count, "bytes resharded to the engines"),
+    Metric("train/reward_timeouts", SUM, count,
+           "responses whose reward ran out of time (scored 0)"),
     Metric("spec/continuation_proposed_tokens/{source}", SUM, count,
            "continuation proposed tokens from {source}"),
     Metric("spec/continuation_accepted_tokens/{source}", SUM, count,
@@ -116,6 +125,7 @@ _METRICS = [
     Metric("rollout/engine_steps", MAX, count, "engine steps of the slowest engine",
            "engine\nsteps"),
     Metric("spec/verify_s", MAX, seconds, "verify wall time", "verify"),
+    Metric("train/reward_s", MAX, seconds, "reward stage wall time"),
     Metric("sync/reshard_s", MAX, seconds, "reshard wall time"),
     Metric("sync/logprob_abs_diff", MAX, scientific, "max |engine - Megatron| logprob"),
     Metric("memory/rss_peak_gb", MAX, number, "peak resident memory of a rank so far (GB)"),
@@ -123,6 +133,7 @@ _METRICS = [
     Metric("train/loss", MEAN, number, "GRPO loss", "loss", over_run=mean_of),
     Metric("train/reward_mean", MEAN, number, "mean reward", "reward", over_run=mean_of),
     Metric("train/accuracy", MEAN, percent, "share of correct responses"),
+    Metric("train/reward/{part}", MEAN, number, "mean reward part {part}"),
     Metric("train/kl", MEAN, scientific, "KL to the reference policy"),
     Metric("train/grad_norm", MEAN, number, "gradient norm"),
     Metric("train/lr", MEAN, scientific, "learning rate"),
@@ -200,12 +211,13 @@ def engine_key(engine: int, name: str) -> str:
     return f"rank{engine}/{name}"
 
 
-def source_family(key: str) -> Metric | None:
-    """The per-source family ``key`` belongs to (``spec/continuation_proposed_tokens/bubble`` ->
-    ``.../{source}``), None for any other key."""
-    family, _, source = key.rpartition("/")
-    metric = METRICS.get(f"{family}/{SOURCE}")
-    return metric if metric is not None and source else None
+def family_of(key: str) -> Metric | None:
+    """The family ``key`` belongs to (``spec/continuation_proposed_tokens/bubble`` ->
+    ``.../{source}``, ``train/reward/format`` -> ``train/reward/{part}``), None for any other
+    key."""
+    family, _, member = key.rpartition("/")
+    metric = METRICS.get(f"{family}/{SOURCE}") or METRICS.get(f"{family}/{PART}")
+    return metric if metric is not None and member else None
 
 
 def lookup(key: str) -> Metric | None:
@@ -214,7 +226,7 @@ def lookup(key: str) -> Metric | None:
     head, _, rest = key.partition("/")
     if head.startswith("rank") and head[4:].isdigit():
         return METRICS[rest] if rest in _PER_ENGINE else None
-    return METRICS.get(key) or source_family(key)
+    return METRICS.get(key) or family_of(key)
 
 
 def run_totals(records: Sequence[Record]) -> dict[str, float]:

@@ -24,6 +24,8 @@ import torch
 
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
+from megatron_bubblespec.spec.continuation import ContinuationSettings
+from megatron_bubblespec.spec.rules import KEYED, RuleChoice
 
 
 class RolloutEngine(abc.ABC):
@@ -35,9 +37,15 @@ class RolloutEngine(abc.ABC):
 
     weight_version: int = 0          # the policy version held; set only by ``update_weights``
     last_engine_steps: int = 0       # engine steps (forward passes) of the last ``generate``
-    # What one proposed token costs, as a fraction of a decode step: speculative continuation
-    # sizes its proposals by it (None: always ``spec_k`` tokens); ``measure_proposal_cost`` sets it.
-    spec_token_cost: float | None = None
+    # what the engine proposes from and how much (``spec.continuation``); None: no speculation
+    continuation: ContinuationSettings | None = None
+
+    @property
+    def spec_token_cost(self) -> float | None:
+        """What one proposed token costs, as a fraction of a decode step: speculative
+        continuation sizes its proposals by it (None: always ``k`` tokens);
+        ``measure_proposal_cost`` sets it."""
+        return self.continuation.token_cost if self.continuation is not None else None
 
     @abc.abstractmethod
     def add(self, requests: Iterable[RolloutRequest], params: SamplingParams) -> None:
@@ -80,7 +88,7 @@ class RolloutEngine(abc.ABC):
         return [done[r.request_id] for r in requests]
 
     def verify(self, requests: list[RolloutRequest], drafts: list[list[int]],
-               params: SamplingParams, rule: str = "keyed", lenience: float = 1.0):
+               params: SamplingParams, rule: RuleChoice = KEYED):
         """One forward over prompt + prefix + draft per request -> ``spec.Verification``: how much
         of each draft the policy accepts under ``rule`` (``spec.verifier: engine`` before the
         rollout, ``spec.EngineVerifier``). Engines that cannot raise NotImplementedError."""

@@ -9,8 +9,13 @@ torch's thread count set back to this rank's share of the cores).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from megatron_bubblespec.config.schema import RolloutConfig
+from megatron_bubblespec.spec.continuation import ContinuationSettings
+from megatron_bubblespec.spec.rules import rule_from_config
 
 ENGINES = ("reference", "vllm")
 
@@ -24,16 +29,11 @@ def engine_options(cfg) -> dict[str, Any]:
                 kv_cache_mb=r.kv_cache_mb, kv_block_size=r.kv_block_size,
                 gpu_memory_utilization=r.gpu_memory_utilization,
                 max_num_batched_tokens=r.max_num_batched_tokens,
-                keep_previous_weights=s.enabled and a.rule != "keyed",
+                keep_previous_weights=s.enabled and rule_from_config(cfg).rule.reads_draft_probs,
                 sleep_mode=r.sleep_during_train, batch_invariant=r.batch_invariant,
-                speculative_continuation=s.enabled and s.speculative_continuation,
-                verify_drafts=s.enabled and s.verifier == "engine" and r.engine == "vllm",
-                reuse_draft_kv=s.enabled and s.reuse_draft_kv,
-                spec_k=s.spec_k, spec_min_match=s.min_match, spec_max_match=s.max_match,
-                spec_token_cost=s.proposal_token_cost,
+                continuation=ContinuationSettings.from_config(cfg),
                 measure_cost_at_rows=engine_rows(cfg) if s.enabled and a.measure_proposal_cost
-                else None,
-                proposal_sources=tuple(a.proposal_sources))
+                else None)
 
 
 def engine_rows(cfg) -> int:
@@ -45,18 +45,18 @@ def engine_rows(cfg) -> int:
 
 def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | None = None,
                  seed: int = 0, dtype: str = "float32", tensor_parallel: int = 1,
-                 kv_cache_mb: int = 256, kv_block_size: int | None = None,
+                 kv_cache_mb: int | None = None, kv_block_size: int | None = None,
                  gpu_memory_utilization: float | None = None,
                  max_num_batched_tokens: int | None = None, keep_previous_weights: bool = False,
                  keyed: bool = True, sleep_mode: bool = False, batch_invariant: bool = False,
-                 measure_cost_at_rows: int | None = None, **continuation: Any):
+                 measure_cost_at_rows: int | None = None,
+                 continuation: ContinuationSettings | None = None):
     """Start an engine of ``kind`` on the HF directory ``path``.
 
-    ``continuation`` (``speculative_continuation``, ``spec_k``, ``spec_min_match``,
-    ``spec_max_match``, ``proposal_sources``, ``spec_token_cost``) configures speculative
-    continuation, and ``verify_drafts`` vLLM's verification of requests' own drafts,
-    ``reuse_draft_kv`` its prefix cache kept across weight updates for drafting requests;
-    ``keep_previous_weights`` keeps the drafting policy the reference engine needs for the
+    ``continuation`` (``spec.continuation.ContinuationSettings``; none: no speculation)
+    configures speculative continuation, vLLM's verification of requests' own drafts and its
+    prefix cache kept across weight updates for drafting requests; ``kv_cache_mb``: a CPU vLLM
+    engine's KV cache (none: ``rollout.kv_cache_mb``'s default); ``keep_previous_weights`` keeps the drafting policy the reference engine needs for the
     ablation rules; ``keyed=False`` gives a vLLM engine on vLLM's own sampler (the benchmark's
     baseline, see ``VLLMEngine``); ``sleep_mode`` lets a GPU vLLM engine free its memory while
     Megatron trains; ``measure_cost_at_rows`` has a vLLM engine measure its proposal token cost at
@@ -71,30 +71,33 @@ def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | N
         return _reference_engine(path, dtype, max_model_len, keep_previous_weights, continuation)
     if kind != "vllm":
         raise ValueError(f"unknown rollout engine {kind!r}: choose from {ENGINES}")
+    options: dict[str, Any] = {}
     if tensor_parallel > 1:
-        continuation.update(tensor_parallel_size=tensor_parallel,
-                            distributed_executor_backend="external_launcher")
+        options.update(tensor_parallel_size=tensor_parallel,
+                       distributed_executor_backend="external_launcher")
     if kv_block_size is not None:
-        continuation["block_size"] = kv_block_size
+        options["block_size"] = kv_block_size
+    if kv_cache_mb is None:
+        kv_cache_mb = RolloutConfig().kv_cache_mb
     engine = _vllm_engine(path, keyed=keyed, max_model_len=max_model_len, seed=seed, dtype=dtype,
                           kv_cache_mb=kv_cache_mb, gpu_memory_utilization=gpu_memory_utilization,
                           max_num_batched_tokens=max_num_batched_tokens, sleep_mode=sleep_mode,
-                          batch_invariant=batch_invariant, **continuation)
+                          batch_invariant=batch_invariant, continuation=continuation, **options)
     if measure_cost_at_rows:
         engine.measure_proposal_cost(measure_cost_at_rows, seed=seed)
     return engine
 
 
 def _reference_engine(path, dtype: str, max_model_len: int | None, keep_previous_weights: bool,
-                      continuation: dict[str, Any]):
+                      continuation: ContinuationSettings | None):
     import torch
 
     from megatron_bubblespec.rollout.reference import ReferenceEngine
 
-    continuation.pop("verify_drafts", None)   # it verifies before the rollout (EngineVerifier)
-    continuation.pop("reuse_draft_kv", None)  # it keeps no KV between requests
+    if continuation is not None:   # it verifies before the rollout and keeps no KV between requests
+        continuation = replace(continuation, verify_drafts=False, reuse_draft_kv=False)
     return ReferenceEngine(path, dtype=getattr(torch, dtype), max_model_len=max_model_len,
-                           keep_previous_weights=keep_previous_weights, **continuation)
+                           keep_previous_weights=keep_previous_weights, continuation=continuation)
 
 
 def _vllm_engine(path, *, kv_cache_mb: int, gpu_memory_utilization: float | None,

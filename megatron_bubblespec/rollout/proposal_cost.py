@@ -3,7 +3,7 @@
 Speculative continuation sizes its proposals by this cost (``spec.pool.Continuation``), as a
 fraction of a decode step (``ablation.measure_proposal_cost``). ``rows`` random prompts are decoded
 plainly, then again with their own responses as the only proposal source, so that every engine
-step verifies ``spec_k`` tokens per request and all are accepted: cost = (median verify step /
+step verifies ``k`` tokens per request and all are accepted: cost = (median verify step /
 median plain step - 1) / proposed tokens per request and step. Prefill steps are left out; the two
 passes alternate ``repeats`` times, so a change of the machine's load hits both. It costs some
 engine time at start-up and its tokens are thrown away. Proposals never change a token, so a
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -28,15 +29,17 @@ def measure_proposal_cost(engine, vocab_size: int, rows: int, verify_steps: int 
                           repeats: int = 2, seed: int = 0) -> float:
     """Measure the cost on ``engine`` (speculative continuation on, no request running) at
     ``rows`` requests, set its ``spec_token_cost`` to it and return it."""
-    if not engine.speculative_continuation:
-        raise ValueError("measure_proposal_cost needs speculative_continuation=True")
+    settings = engine.continuation
+    if settings is None or not settings.enabled:
+        raise ValueError("measure_proposal_cost needs speculative continuation on "
+                         "(ContinuationSettings.enabled)")
     if engine.has_unfinished():
         raise RuntimeError("measure_proposal_cost runs on an idle engine")
     g = torch.Generator().manual_seed(seed)
     prompts = torch.randint(3, vocab_size, (rows, PROMPT_TOKENS), generator=g).tolist()
-    budget = (engine.spec_k + 1) * verify_steps + 1
-    saved = engine.proposal_sources, engine.spec_token_cost
-    engine.proposal_sources, engine.spec_token_cost = ("bubble",), None   # always spec_k tokens
+    budget = (settings.k + 1) * verify_steps + 1
+    # the own response as the only source, always k tokens
+    engine.continuation = replace(settings, sources=("bubble",), token_cost=None)
     plain_steps, verify_steps_s, proposed = [], [], 0
     try:
         for repeat in range(repeats):
@@ -48,11 +51,12 @@ def measure_proposal_cost(engine, vocab_size: int, rows: int, verify_steps: int 
             verify_steps_s += steps
             proposed += sum(r.proposed_tokens for r in verified)
     finally:
-        engine.proposal_sources, engine.spec_token_cost = saved
+        engine.continuation = settings
     proposed /= rows * len(verify_steps_s)
     ratio = statistics.median(verify_steps_s) / statistics.median(plain_steps)
-    engine.spec_token_cost = min(max((ratio - 1) / max(proposed, 1e-9), 0.0), MAX_COST)
-    return engine.spec_token_cost
+    cost = min(max((ratio - 1) / max(proposed, 1e-9), 0.0), MAX_COST)
+    engine.continuation = replace(settings, token_cost=cost)
+    return cost
 
 
 def _timed_pass(engine, tag: str, prompts, pools, budget: int, seed: int):

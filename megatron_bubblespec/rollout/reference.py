@@ -22,7 +22,9 @@ from megatron_bubblespec.rollout.reference_verify import verify_drafts
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult, settle_eos
 from megatron_bubblespec.rollout.torch_llama import TorchLlama
 from megatron_bubblespec.sampling import SamplingParams
-from megatron_bubblespec.spec.pool import DEFAULT_SOURCES, Continuation, Siblings, has_sources
+from megatron_bubblespec.spec.continuation import ContinuationSettings, off
+from megatron_bubblespec.spec.pool import Continuation, Siblings, has_sources
+from megatron_bubblespec.spec.rules import KEYED, RuleChoice
 from megatron_bubblespec.spec.verify import verify_keyed
 from megatron_bubblespec.tokens import pad_token_rows
 
@@ -58,24 +60,20 @@ class ReferenceEngine(RolloutEngine):
     rollout (``verify``); no sleep mode, no prefix cache."""
 
     def __init__(self, model_path: str | Path, *, dtype: torch.dtype = torch.float32,
-                 max_model_len: int | None = None, speculative_continuation: bool = False,
-                 spec_k: int = 4, spec_min_match: int = 2, spec_max_match: int = 8,
-                 proposal_sources: tuple[str, ...] = DEFAULT_SOURCES,
-                 spec_token_cost: float | None = None, keep_previous_weights: bool = False):
-        """``keep_previous_weights``: also hold the policy before the latest ``update_weights``
+                 max_model_len: int | None = None,
+                 continuation: ContinuationSettings | None = None,
+                 keep_previous_weights: bool = False):
+        """``continuation``: what requests propose from (``spec.continuation``; none: nothing);
+        ``keep_previous_weights``: also hold the policy before the latest ``update_weights``
         (``previous_model``), the drafting policy that the residual and lenient rules need."""
         spec, tensors = load_checkpoint(model_path)
         self.model = TorchLlama(spec, tensors, dtype=dtype, max_model_len=max_model_len)
         self.previous_model = (TorchLlama(spec, tensors, dtype=dtype, max_model_len=max_model_len)
                                if keep_previous_weights else None)
-        self.speculative_continuation = speculative_continuation
-        self.spec_k = spec_k
-        self.spec_min_match, self.spec_max_match = spec_min_match, spec_max_match
-        self.proposal_sources = tuple(proposal_sources)
-        self.spec_token_cost = spec_token_cost
+        self.continuation = c = continuation or off()
         self._waiting: list[tuple[RolloutRequest, SamplingParams]] = []
         self._running: dict[str, _Running] = {}
-        self._siblings = Siblings(spec_min_match, spec_max_match, self.proposal_sources)
+        self._siblings = Siblings(c.min_match, c.max_match, c.sources)
 
     @property
     def dtype(self) -> str:
@@ -140,23 +138,21 @@ class ReferenceEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ verification
     def verify(self, requests: list[RolloutRequest], drafts: list[list[int]],
-               params: SamplingParams, rule: str = "keyed", lenience: float = 1.0):
+               params: SamplingParams, rule: RuleChoice = KEYED):
         """One forward over prompt + prefix + draft per request -> ``spec.Verification``
-        (``reference_verify``; the residual and lenient rules need ``keep_previous_weights``)."""
-        return verify_drafts(self.model, self.previous_model, requests, drafts, params, rule,
-                             lenience)
+        (``reference_verify``; rules that read the drafts' distributions need
+        ``keep_previous_weights``)."""
+        return verify_drafts(self.model, self.previous_model, requests, drafts, params, rule)
 
     # ------------------------------------------------------------------ internals
     def _admit(self, request: RolloutRequest, params: SamplingParams) -> _Running:
         state = _Running(request, params, self.model.cache.acquire(), list(request.response_prefix))
-        proposals = request.proposals
-        if self.speculative_continuation and has_sources(self.proposal_sources, proposals.drafts,
-                                                         proposals.history):
+        proposals, c = request.proposals, self.continuation
+        if c.enabled and has_sources(c.sources, proposals.drafts, proposals.history):
             pool = self._siblings.pool(request.request_id, request.prompt_token_ids,
                                        proposals.drafts, proposals.history, proposals.own)
             if pool:
-                state.continuation = Continuation(pool, self.spec_k,
-                                                  token_cost=self.spec_token_cost)
+                state.continuation = Continuation(pool, c.k, token_cost=c.token_cost)
             else:
                 self._siblings.leave(request.request_id)
         self._running[request.request_id] = state

@@ -1,9 +1,9 @@
 """Requests + drafts -> one forward of the policy over prompt + prefix + draft -> a Verification.
 
 The reference engine's verification before the rollout (``spec.verifier: engine``,
-``spec.EngineVerifier``). The keyed rule is exact and token-identical to plain keyed decoding;
-residual (exact in distribution only) and lenient (inexact) are for ablations and take the drafts'
-distributions from the drafting policy, the weights before the latest update.
+``spec.EngineVerifier``), under any rule of ``spec.rules``. The keyed rule is exact and
+token-identical to plain keyed decoding; the rules that read the drafts' distributions take them
+from the drafting policy, the weights before the latest update.
 """
 
 from __future__ import annotations
@@ -13,34 +13,30 @@ import torch
 from megatron_bubblespec.rollout.torch_llama import TorchLlama
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.sampling.requests import RolloutRequest
-from megatron_bubblespec.spec.verify import (target_probs, verify_keyed, verify_lenient,
-                                             verify_residual)
+from megatron_bubblespec.spec.rules import KEYED, RuleChoice
+from megatron_bubblespec.spec.verify import target_probs
 from megatron_bubblespec.tokens import pad_token_rows
 
 
 @torch.no_grad()
 def verify_drafts(model: TorchLlama, drafting_model: TorchLlama | None,
                   requests: list[RolloutRequest], drafts: list[list[int]],
-                  params: SamplingParams, rule: str = "keyed", lenience: float = 1.0):
+                  params: SamplingParams, rule: RuleChoice = KEYED):
     """``spec.Verification`` of ``drafts`` (response positions after each request's prefix)
-    under ``rule``; ``drafting_model``: the policy that drafted them (None: keyed rule only)."""
+    under ``rule``; ``drafting_model``: the policy that drafted them (None: only rules that do
+    not read the drafts' distributions)."""
     eos = [r.eos_token_ids for r in requests]   # each sample settles on its own EOS ids
     target = draft_logits(model, requests, drafts)
     draft_tokens, draft_lens = pad_token_rows(drafts)
     keys = torch.tensor([r.key for r in requests])
     starts = torch.tensor([len(r.response_prefix) for r in requests])
-    if rule == "keyed":
-        return verify_keyed(target, draft_tokens, draft_lens, keys, starts, params, eos)
-    if drafting_model is None:
-        raise ValueError(f"rule {rule!r} needs the drafting policy's distributions: build the "
-                         "engine with keep_previous_weights=True")
-    q = target_probs(draft_logits(drafting_model, requests, drafts)[:, :-1], params)
-    if rule == "residual":
-        return verify_residual(target, q, draft_tokens, draft_lens, keys, starts, params, eos)
-    if rule == "lenient":
-        return verify_lenient(target, q, draft_tokens, draft_lens, keys, starts, params, eos,
-                              lenience=lenience)
-    raise ValueError(f"unknown verification rule {rule!r}; use keyed, residual or lenient")
+    q = None
+    if rule.rule.reads_draft_probs:
+        if drafting_model is None:
+            raise ValueError(f"rule {rule.name!r} needs the drafting policy's distributions: "
+                             "build the engine with keep_previous_weights=True")
+        q = target_probs(draft_logits(drafting_model, requests, drafts)[:, :-1], params)
+    return rule.settle(target, q, draft_tokens, draft_lens, keys, starts, params, eos)
 
 
 def draft_logits(model: TorchLlama, requests: list[RolloutRequest],

@@ -36,6 +36,7 @@ Essentials:
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -44,17 +45,20 @@ import torch
 from megatron_bubblespec import logs
 from megatron_bubblespec.cache import cache_dir
 from megatron_bubblespec.config.load import VLLM_MAX_SPEC_TOKENS
+from megatron_bubblespec.config.schema import RolloutConfig
 from megatron_bubblespec.rollout.base import RolloutEngine
 from megatron_bubblespec.rollout.proposal_cost import measure_proposal_cost
 from megatron_bubblespec.rollout.vllm_proposer import POOL_ARGS_KEY, PoolProposer, pool_extra_args
 from megatron_bubblespec.rollout.vllm_requests import LiveRequest
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult, settle_eos
-from megatron_bubblespec.spec.pool import DEFAULT_SOURCES, has_sources
+from megatron_bubblespec.spec.continuation import ContinuationSettings, off
+from megatron_bubblespec.spec.pool import has_sources
 
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 CPU_SPLIT_KV_ENV = "VLLM_CPU_ATTN_SPLIT_KV"
-DEFAULT_CPU_KV_CACHE_BYTES = 256 << 20   # vLLM would otherwise reserve most of the host's RAM
+# vLLM would otherwise reserve most of the host's RAM: the schema's rollout.kv_cache_mb
+DEFAULT_CPU_KV_CACHE_BYTES = RolloutConfig.kv_cache_mb << 20
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json")
 
 
@@ -191,11 +195,12 @@ class VLLMEngine(RolloutEngine):
     Its tokens are not the keyed draws, so drafts cannot be verified against them: it is the
     plain-vLLM baseline of the engine benchmark, not a rollout engine for training.
 
-    ``speculative_continuation``: requests propose up to ``spec_k`` tokens per engine step
-    from their ``proposal_sources`` (``spec.pool``: the ``draft_pool``, the prompt, their own
-    text; n-grams of ``spec_min_match`` .. ``spec_max_match`` tokens), verified exactly inside
-    vLLM's spec-decode step (``vllm_proposer``, ``vllm_patches``); with ``spec_token_cost``
-    each request chooses how many to propose from its acceptance (``spec.pool.Continuation``).
+    ``continuation`` (``spec.continuation.ContinuationSettings``; none: no speculation): with
+    ``enabled`` requests propose up to ``k`` tokens per engine step from their ``sources``
+    (``spec.pool``: the prompt's bubble drafts, the prompt, their own text; n-grams of
+    ``min_match`` .. ``max_match`` tokens), verified exactly inside vLLM's spec-decode step
+    (``vllm_proposer``, ``vllm_patches``); with a ``token_cost`` each request chooses how many to
+    propose from its acceptance (``spec.pool.Continuation``).
 
     ``verify_drafts`` (``spec.verifier: engine``): a request's own ``draft`` is proposed
     after its prefill, whole or ``VLLM_MAX_SPEC_TOKENS`` (vLLM's rejection sampler's limit)
@@ -219,10 +224,7 @@ class VLLMEngine(RolloutEngine):
                  tensor_parallel_size: int = 1, distributed_executor_backend: str | None = None,
                  skip_tokenizer_init: bool | None = None, in_process: bool = True,
                  gpu_memory_utilization: float | None = None,
-                 speculative_continuation: bool = False, spec_k: int = 4, spec_min_match: int = 2,
-                 spec_max_match: int = 8, proposal_sources: tuple[str, ...] = DEFAULT_SOURCES,
-                 spec_token_cost: float | None = None, verify_drafts: bool = False,
-                 reuse_draft_kv: bool = False, batch_invariant: bool = False,
+                 continuation: ContinuationSettings | None = None, batch_invariant: bool = False,
                  **llm_kwargs: Any) -> None:
         """Start an engine on the HF directory ``model_path`` (the options: see the class)."""
         _refuse_batch_invariance_without_gpu(batch_invariant)
@@ -231,15 +233,11 @@ class VLLMEngine(RolloutEngine):
 
         if batch_invariant:
             check_batch_invariance()
-        if not keyed and (speculative_continuation or verify_drafts):
+        self.continuation = continuation = continuation or off()
+        if not keyed and (continuation.enabled or continuation.verify_drafts):
             raise ValueError("speculative continuation and draft verification force keyed "
                              "tokens: they need keyed=True")
         self.keyed, self.batch_invariant = keyed, batch_invariant
-        self.speculative_continuation, self.spec_k = speculative_continuation, spec_k
-        self.spec_min_match, self.spec_max_match = spec_min_match, spec_max_match
-        self.proposal_sources = tuple(proposal_sources)
-        self.spec_token_cost = spec_token_cost
-        self.verify_drafts, self.reuse_draft_kv = verify_drafts, reuse_draft_kv
         # drafting requests get logprobs too: only to inspect what a draft was computed on (the
         # KV it met), as a draft itself is its tokens only
         self.drafting_logprobs = False
@@ -253,8 +251,8 @@ class VLLMEngine(RolloutEngine):
             from megatron_bubblespec.rollout.keyed_processor import KeyedLogitsProcessor
 
             kwargs["logits_processors"] = [KeyedLogitsProcessor]
-        if speculative_continuation or verify_drafts:
-            kwargs["speculative_config"] = _speculative_config(spec_k)
+        if continuation.enabled or continuation.verify_drafts:
+            kwargs["speculative_config"] = _speculative_config(continuation.k)
         if not torch.cuda.is_available():
             from megatron_bubblespec.rollout import vllm_cpu_rows, vllm_moe_reload
 
@@ -306,16 +304,13 @@ class VLLMEngine(RolloutEngine):
 
         extra_args = {EXTRA_ARGS_KEY: keyed_extra_args(params, request.key,
                                                        len(request.response_prefix))}
-        proposals = request.proposals
-        pooled = self.speculative_continuation and \
-            has_sources(self.proposal_sources, proposals.drafts, proposals.history)
+        proposals, c = request.proposals, self.continuation
+        pooled = c.enabled and has_sources(c.sources, proposals.drafts, proposals.history)
         if not prefix_complete and (pooled or request.draft):
-            sources = self.proposal_sources if self.speculative_continuation else ()
             extra_args[POOL_ARGS_KEY] = pool_extra_args(
-                len(request.prompt_token_ids), proposals.drafts if pooled else [], self.spec_k,
-                self.spec_min_match, self.spec_max_match, sources, draft=request.draft,
-                draft_k=VLLM_MAX_SPEC_TOKENS, token_cost=self.spec_token_cost,
-                history=proposals.history if pooled else [],
+                len(request.prompt_token_ids), c if c.enabled else replace(c, sources=()),
+                proposals.drafts if pooled else [], draft=request.draft,
+                draft_k=VLLM_MAX_SPEC_TOKENS, history=proposals.history if pooled else [],
                 own_draft=proposals.own if pooled else None)
         return extra_args
 
@@ -325,7 +320,7 @@ class VLLMEngine(RolloutEngine):
         for request, prefix_complete in zip(requests, complete):
             prompt = {"prompt_token_ids": list(request.prompt_token_ids)
                       + list(request.response_prefix)}
-            if self.reuse_draft_kv:
+            if self.continuation.reuse_draft_kv:
                 prompt["cache_salt"] = ("drafts" if request.drafting
                                         else f"weights-{self.weight_version}")
             vllm_params = self._vllm_params(request, params, prefix_complete)
@@ -350,9 +345,9 @@ class VLLMEngine(RolloutEngine):
                 raise ValueError(f"request {request.request_id!r}: EOS inside the response "
                                  f"prefix at position {kept - 1}; a prefix may only end with EOS")
             complete.append(len(prefix) >= request.max_new_tokens or ended)
-            if request.draft and not self.verify_drafts:
+            if request.draft and not self.continuation.verify_drafts:
                 raise ValueError(f"request {request.request_id!r} carries a draft to verify, and "
-                                 "this engine was built without verify_drafts=True (spec."
+                                 "this engine was built without verify_drafts (spec."
                                  "verifier: engine); verify it first, or build the engine so")
         return complete
 
@@ -426,7 +421,7 @@ class VLLMEngine(RolloutEngine):
             weights = list(weights)
         self.llm.collective_rpc(_reload_weights_on_worker, args=(weights,))
         # with reuse_draft_kv the salts (cache_salt) keep rollouts off KV of other weights
-        if not self.reuse_draft_kv and not self.llm.reset_prefix_cache():
+        if not self.continuation.reuse_draft_kv and not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after the weight update")
         self._loaded(version)
 

@@ -24,25 +24,27 @@ import inspect
 from dataclasses import dataclass, field
 
 from megatron_bubblespec.sampling.requests import settle_eos
-from megatron_bubblespec.spec.pool import DEFAULT_SOURCES, Continuation, Siblings
+from megatron_bubblespec.spec.continuation import ContinuationSettings
+from megatron_bubblespec.spec.pool import Continuation, Siblings
 
 POOL_ARGS_KEY = "bubblespec_pool"
 
 
-def pool_extra_args(prompt_len: int, drafts: list[list[int]], k: int, min_match: int,
-                    max_match: int, sources: tuple[str, ...] = DEFAULT_SOURCES,
+def pool_extra_args(prompt_len: int, settings: ContinuationSettings, drafts: list[list[int]],
                     draft: list[int] = (), draft_k: int | None = None,
-                    token_cost: float | None = None, history: list[list[int]] = (),
-                    own_draft: int | None = None) -> dict:
+                    history: list[list[int]] = (), own_draft: int | None = None) -> dict:
     """What a request carries in ``SamplingParams.extra_args[POOL_ARGS_KEY]`` (``prompt_len``:
-    the prompt's length without the response prefix that vLLM receives as part of it; ``draft``:
-    the sample's own draft to verify, in response positions, ``draft_k`` of its tokens a step;
-    ``history``: the prompt's earlier responses; ``own_draft``: the place of the sample's own
-    draft in ``drafts``)."""
-    return {"prompt_len": int(prompt_len), "drafts": [list(d) for d in drafts], "k": int(k),
-            "min_match": int(min_match), "max_match": int(max_match), "sources": list(sources),
-            "draft": [int(t) for t in draft], "draft_k": draft_k, "token_cost": token_cost,
-            "history": [list(h) for h in history], "own_draft": own_draft}
+    the prompt's length without the response prefix that vLLM receives as part of it;
+    ``settings``: the engine's, whose sources, match lengths, k and token cost it proposes by;
+    ``draft``: the sample's own draft to verify, in response positions, ``draft_k`` of its tokens a
+    step; ``history``: the prompt's earlier responses; ``own_draft``: the place of the sample's
+    own draft in ``drafts``)."""
+    return {"prompt_len": int(prompt_len), "drafts": [list(d) for d in drafts],
+            "k": int(settings.k), "min_match": int(settings.min_match),
+            "max_match": int(settings.max_match), "sources": list(settings.sources),
+            "draft": [int(t) for t in draft], "draft_k": draft_k,
+            "token_cost": settings.token_cost, "history": [list(h) for h in history],
+            "own_draft": own_draft}
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.spec.megatron_verifier import MegatronVerifier
+from megatron_bubblespec.spec.rules import rule_from_config
 from megatron_bubblespec.spec.verifier import EngineVerifier, InRolloutVerifier, Verifier
 
 
@@ -21,10 +22,11 @@ def build_verifier(cfg, params: SamplingParams, *, model=None, spec=None,
         return None
     if s.verifier == "engine" and cfg.rollout.engine == "vllm":
         return InRolloutVerifier(spec.vocab_size)
-    if a.rule == "keyed" and s.verifier == "megatron":
+    rule = rule_from_config(cfg)
+    if "megatron" in rule.rule.verifiers and s.verifier == "megatron":
         return MegatronVerifier(model, spec, params, cfg.train.micro_batch_size)
     if engine is None:
         raise ValueError(f"spec.verifier={s.verifier!r} with ablation.rule={a.rule!r} verifies "
                          "in the rollout engine, and this rank has none; use spec.verifier=megatron with "
                          "ablation.rule=keyed, or parallel.tensor=parallel.pipeline=1")
-    return EngineVerifier(engine, params, rule=a.rule, lenience=a.lenience)
+    return EngineVerifier(engine, params, rule=rule)

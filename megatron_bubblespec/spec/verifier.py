@@ -33,6 +33,7 @@ import torch
 
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
+from megatron_bubblespec.spec.rules import KEYED, RuleChoice
 from megatron_bubblespec.spec.validate import request_draft
 from megatron_bubblespec.spec.verify import Verification
 
@@ -90,15 +91,13 @@ class EngineVerifier:
 
     every_step = False
 
-    def __init__(self, engine, params: SamplingParams, rule: str = "keyed",
-                 lenience: float = 1.0):
-        self.engine, self.params, self.rule, self.lenience = engine, params, rule, lenience
+    def __init__(self, engine, params: SamplingParams, rule: RuleChoice = KEYED):
+        self.engine, self.params, self.rule = engine, params, rule
 
     def verify(self, requests, drafts) -> Verified:
         start = time.perf_counter()
         drafts = [list(d) for d in drafts]
-        result = self.engine.verify(list(requests), drafts, self.params, rule=self.rule,
-                                    lenience=self.lenience)
+        result = self.engine.verify(list(requests), drafts, self.params, rule=self.rule)
         return verified(requests, drafts, result, start)
 
 

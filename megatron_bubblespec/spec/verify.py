@@ -45,7 +45,6 @@ from megatron_bubblespec.sampling.requests import settle_eos
 
 NO_TOKEN = -1
 
-EXACT_RULES = {"keyed": True, "residual": True, "lenient": False}
 
 
 @dataclass

@@ -162,7 +162,7 @@ def prompt_length(cfg, prompts: int = 64) -> int | None:
     """Mean prompt tokens of the config's task over its first ``prompts`` prompts (None when the
     task cannot be built here)."""
     try:
-        from megatron_bubblespec.data.tasks import task_from_config
+        from megatron_bubblespec.data.registry import task_from_config
 
         task = task_from_config(cfg, cfg.model.tiny_vocab_size)
         count = min(prompts, getattr(task, "size", prompts) or prompts)
