@@ -68,11 +68,14 @@ def preflight(cfg: Config) -> PreflightReport:
     model_dir, spec = _check_model(cfg)
     vocab_size = spec.vocab_size
     check_layout(cfg, spec)
-    if cfg.model.max_model_len > spec.max_position_embeddings:
+    if cfg.model.max_model_len > spec.context_length:
+        how = (f"YaRN: {spec.yarn_original_max_position_embeddings} x {spec.yarn_factor:g}"
+               if spec.yarn_factor else "max_position_embeddings")
         raise PreflightError(
-            f"model.max_model_len={cfg.model.max_model_len} exceeds the model's "
-            f"max_position_embeddings={spec.max_position_embeddings} (config.json of "
-            f"{model_dir}); lower model.max_model_len to at most {spec.max_position_embeddings}")
+            f"model.max_model_len={cfg.model.max_model_len} exceeds the model's context of "
+            f"{spec.context_length} positions ({how}, config.json of {model_dir}); lower "
+            f"model.max_model_len to at most {spec.context_length}, or set YaRN rope scaling in "
+            "config.json (docs/long-context.md)")
     task = _build_task(cfg, vocab_size)
     if task.size < cfg.rollout.prompts_per_step:
         raise PreflightError(

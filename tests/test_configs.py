@@ -3,6 +3,7 @@ budget and memory plan (docs/long-context.md) agree with the model they name."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,8 @@ MODELS = {
                           qk_norm=True, experts=128, topk=8, expert_ffn=768,
                           expert_params=48 * 128 * 3 * 2048 * 768),
 }
+# The same checkpoint with YaRN in its config.json (factor 2 over 32768 positions: 65536).
+MODELS["Qwen3-30B-A3B-YaRN"] = dict(MODELS["Qwen3-30B-A3B"], positions=65536)
 
 
 def _training_bytes(cfg, model: dict, last_stage: bool) -> float:
@@ -91,7 +94,7 @@ def _load(path: Path, monkeypatch):
 def test_configs_directory_has_the_large_model_configs():
     names = {p.name for p in LARGE}
     assert {"qwen2.5-7b-32k.yaml", "qwen2.5-32b-64k.yaml", "qwen3-8b-32k.yaml",
-            "qwen3-30b-a3b-40k.yaml"} <= names, names
+            "qwen3-30b-a3b-40k.yaml", "qwen3-30b-a3b-64k.yaml"} <= names, names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
@@ -153,3 +156,27 @@ def test_config_states_only_what_differs_from_the_main_job(path):
     restated = [f"{room}.{key}" for room, keys in yaml.safe_load(path.read_text()).items()
                 for key, value in keys.items() if value == _get(defaults, f"{room}.{key}")]
     assert not restated, f"{path.name} restates the schema's defaults: {restated}"
+
+
+def test_the_64k_moe_config_passes_preflight_on_its_yarn_checkpoint(monkeypatch):
+    """Preflight's model checks on the public Qwen3-30B-A3B config.json with Qwen's YaRN entry:
+    the layout (layers over PP, heads over TP, experts over EP) and a context that covers
+    max_model_len only through YaRN."""
+    from megatron_bubblespec.models.architecture import ModelSpec
+    from megatron_bubblespec.preflight import check_layout
+
+    hf = dict(architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
+              num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+              intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+              num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+              mlp_only_layers=[], rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False,
+              max_position_embeddings=40960)
+    cfg = _load(Path(__file__).resolve().parents[1] / "configs" / "qwen3-30b-a3b-64k.yaml",
+                monkeypatch)
+    plain = ModelSpec.from_hf_config(hf)
+    assert plain.context_length < cfg.model.max_model_len     # without YaRN it does not fit
+    spec = ModelSpec.from_hf_config(dict(hf, rope_scaling={
+        "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32768}))
+    check_layout(cfg, spec)
+    assert spec.context_length == cfg.model.max_model_len == 65536
+    assert spec.yarn_attention_factor == pytest.approx(0.1 * math.log(2.0) + 1.0)

@@ -459,7 +459,7 @@ def test_preflight_tokens_outside_the_vocabulary():
 
 def test_preflight_context_longer_than_the_model():
     with pytest.raises(PreflightError, match=r"model\.max_model_len=9000 exceeds the model's "
-                                             r"max_position_embeddings=8192"):
+                                             r"context of 8192 positions \(max_position_embeddings"):
         preflight(_cfg("model.path=smollm2", "model.max_model_len=9000"))
 
 

@@ -77,3 +77,57 @@ def test_logits_and_bit_exact_round_trip(checkpoints, arch, tp, ep, dp):
         assert set(hf_back) == set(tensors)
         for name, tensor in tensors.items():
             assert torch.equal(hf_back[name], tensor), name
+
+
+# ------------------------------------------------------------------ YaRN rope scaling (Qwen3 past 32k)
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+LONG = 200     # tokens: three times the original context, where YaRN's interpolation matters
+
+
+@pytest.fixture(scope="module")
+def yarn_checkpoint(tmp_path_factory):
+    from megatron_bubblespec.models.architecture import make_tiny_checkpoint
+
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-yarn"), "qwen3",
+                                vocab_size=VOCAB, num_layers=2, max_position_embeddings=256,
+                                rope_scaling=YARN)
+
+
+def _long_tokens():
+    return torch.randint(0, VOCAB, (2, LONG), generator=torch.Generator().manual_seed(1))
+
+
+def _yarn_worker(path, tp):
+    init_distributed(tp, 1, seed=3)
+    spec, tensors = load_checkpoint(path)
+    with megatron_cpu_mode():
+        model = build_gpt_model(spec)
+        load_hf_weights(model, spec, tensors)
+    logits = megatron_forward(model, _long_tokens(),
+                              lambda out, rows: gather_vocab(out)[..., :VOCAB], micro_batch_size=2)
+    destroy_distributed()
+    return torch.cat(logits)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_yarn_logits_equal_transformers(yarn_checkpoint, tp):
+    """A tiny Qwen3 whose config.json sets YaRN (factor 4 over 64 positions): Megatron's yarn
+    rotary embedding with transformers' attention factor gives transformers' logits past the
+    original context; plain RoPE on the same weights does not."""
+    from transformers import AutoModelForCausalLM
+
+    spec, _ = load_checkpoint(yarn_checkpoint)
+    assert spec.yarn_factor == 4.0 and spec.yarn_attention_factor == pytest.approx(
+        0.1 * torch.log(torch.tensor(4.0)).item() + 1.0)
+    hf = AutoModelForCausalLM.from_pretrained(yarn_checkpoint, dtype=torch.float32)
+    with torch.no_grad():
+        want = hf(_long_tokens()).logits
+    for logits in launch_local(_yarn_worker, tp, yarn_checkpoint, tp):
+        gap = float((logits - want).abs().max())
+        assert gap <= ATOL, f"Megatron vs transformers logits with YaRN differ by {gap:.2e}"
+    plain = AutoModelForCausalLM.from_pretrained(yarn_checkpoint, dtype=torch.float32,
+                                                 rope_parameters={"rope_type": "default",
+                                                                  "rope_theta": 10000.0})
+    with torch.no_grad():
+        assert float((plain(_long_tokens()).logits - want).abs().max()) > 100 * ATOL

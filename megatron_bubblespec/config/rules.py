@@ -223,7 +223,8 @@ def _check_continuation(cfg: Config) -> None:
     if spec.proposal_token_cost is not None and spec.proposal_token_cost < 0:
         raise ConfigError(f"spec.proposal_token_cost={spec.proposal_token_cost}: the cost of "
                           "a proposed token as a fraction of a decode step must be >= 0 (about "
-                          "0.4 on a CPU, near 0 on a GPU), or null for always spec.spec_k")
+                          "0.4 on this project's 2-core CPU; ablation.measure_proposal_cost "
+                          "measures it on yours), or null for always spec.spec_k")
     if spec.min_match > spec.max_match:
         raise ConfigError(f"spec.min_match={spec.min_match} must be <= spec.max_match="
                           f"{spec.max_match}")

@@ -10,6 +10,7 @@ random model of any family in the HF layout, for tests of mechanics.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -50,10 +51,25 @@ class ModelSpec:
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True     # renormalise the chosen experts' probabilities to sum to 1
+    # YaRN rope scaling (HF rope_type "yarn"; Qwen3 past 32k): 0 = none, else the scaling factor
+    yarn_factor: float = 0.0
+    yarn_original_max_position_embeddings: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_attention_factor: float = 1.0    # the cos/sin scale, as transformers computes it
+    yarn_truncate: bool = True            # round the correction range to whole dimensions
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def context_length(self) -> int:
+        """The longest sequence the model's positions cover: with YaRN the original context times
+        the factor (as vLLM derives it), else max_position_embeddings."""
+        if self.yarn_factor:
+            return int(self.yarn_original_max_position_embeddings * self.yarn_factor)
+        return self.max_position_embeddings
 
     @classmethod
     def from_hf_config(cls, config: dict) -> "ModelSpec":
@@ -61,10 +77,11 @@ class ModelSpec:
         arch = next((SUPPORTED[a] for a in archs if a in SUPPORTED), None)
         if arch is None:
             raise ValueError(unsupported_architecture(archs))
-        rope = config.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", (config.get("rope_scaling") or {}).get("rope_type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"RoPE scaling {rope_type!r} is not supported yet (only 'default')")
+        rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "yarn", None):
+            raise ValueError(f"RoPE scaling {rope_type!r} is not supported (only 'default' and "
+                             "'yarn')")
         heads = config["num_attention_heads"]
         return cls(
             arch=arch, vocab_size=config["vocab_size"], hidden_size=config["hidden_size"],
@@ -76,10 +93,36 @@ class ModelSpec:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or bool(config.get("attention_bias", False)),
             max_position_embeddings=config.get("max_position_embeddings", 4096),
-            qk_norm=arch in QK_NORM_FAMILIES, **_moe_fields(arch, config))
+            qk_norm=arch in QK_NORM_FAMILIES, **_moe_fields(arch, config),
+            **(_yarn_fields(rope, config) if rope_type == "yarn" else {}))
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _yarn_fields(rope: dict, config: dict) -> dict:
+    """The YaRN fields of an HF rope config, with transformers' defaults and its attention factor
+    (``modeling_rope_utils._compute_yarn_parameters``)."""
+    original = rope.get("original_max_position_embeddings") or config.get(
+        "original_max_position_embeddings")
+    if not original:
+        raise ValueError("YaRN rope scaling needs original_max_position_embeddings in "
+                         "rope_scaling (Qwen3: 32768)")
+    factor = rope.get("factor") or config["max_position_embeddings"] / original
+    attention = rope.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        attention = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+                     if mscale and mscale_all else _yarn_mscale(factor))
+    return dict(yarn_factor=float(factor), yarn_original_max_position_embeddings=int(original),
+                yarn_beta_fast=float(rope.get("beta_fast") or 32),
+                yarn_beta_slow=float(rope.get("beta_slow") or 1),
+                yarn_attention_factor=float(attention),
+                yarn_truncate=bool(rope.get("truncate", True)))
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def _moe_fields(arch: str, config: dict) -> dict:
@@ -232,10 +275,12 @@ def make_tiny_checkpoint(path: str | Path, arch: str = "llama", *, seed: int = 0
                          tie_word_embeddings: bool = False, init_std: float = 0.1,
                          max_position_embeddings: int = 1024, num_experts: int = TINY_EXPERTS,
                          experts_per_token: int = TINY_EXPERTS_PER_TOKEN,
-                         moe_intermediate_size: int = TINY_MOE_INTERMEDIATE) -> Path:
+                         moe_intermediate_size: int = TINY_MOE_INTERMEDIATE,
+                         rope_scaling: dict | None = None) -> Path:
     """Write a random model of family ``arch`` (a value of SUPPORTED) in HF layout (float32), as
     transformers saves it, and return its path. The MoE sizes apply to ``qwen3_moe`` only (with
-    normalised top-k probabilities, as Qwen3-30B-A3B).
+    normalised top-k probabilities, as Qwen3-30B-A3B). ``rope_scaling``: HF rope parameters
+    besides rope_theta (``{"rope_type": "yarn", "factor": 4.0, ...}``).
 
     ``init_std`` larger than HF's 0.02 keeps the next-token distributions far from uniform, so
     sampling tests see peaked and flat positions alike. head_dim >= 32 (vLLM's CPU attention).
@@ -254,6 +299,8 @@ def make_tiny_checkpoint(path: str | Path, arch: str = "llama", *, seed: int = 0
         intermediate_size=intermediate_size, tie_word_embeddings=tie_word_embeddings,
         initializer_range=init_std, max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, dtype="float32", **moe)
+    if rope_scaling:
+        config.rope_parameters = {**config.rope_parameters, **rope_scaling}
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # HF initialises norms to 1 and biases to 0: vary them too

@@ -61,6 +61,9 @@ class TorchLlama:
 
     def __init__(self, spec: ModelSpec, tensors: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, max_model_len: int | None = None):
+        if spec.yarn_factor:
+            raise ValueError("the reference engine has no YaRN rope scaling: use "
+                             "rollout.engine=vllm for a model whose config.json sets it")
         self.spec, self.dtype = spec, dtype
         self.max_model_len = max_model_len or spec.max_position_embeddings
         self.weights: dict[str, torch.Tensor] = {}

@@ -18,6 +18,8 @@ is refused with a message naming the setting. Inputs are split over CP by ``trai
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megatron_bubblespec.models.architecture import ModelSpec
@@ -126,6 +128,7 @@ def build_gpt_model(spec: ModelSpec, *, params_dtype: torch.dtype = torch.float3
     if problems:
         raise ValueError("; ".join(problems))
     config = transformer_config(spec, params_dtype=params_dtype, **config_overrides)
+    _set_yarn(config, spec)
     layers = dict(num_experts=spec.num_experts or None, moe_grouped_gemm=False,
                   qk_layernorm=spec.qk_norm)
     if _transformer_engine_available():
@@ -140,7 +143,23 @@ def build_gpt_model(spec: ModelSpec, *, params_dtype: torch.dtype = torch.float3
         config=config, transformer_layer_spec=layer_spec,
         vocab_size=padded_vocab_size(spec.vocab_size, ps.get_tensor_model_parallel_world_size(),
                                      vocab_multiple),
-        max_sequence_length=spec.max_position_embeddings,
+        max_sequence_length=spec.context_length,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
-        position_embedding_type="rope", rotary_base=int(spec.rope_theta))
+        position_embedding_type="yarn" if spec.yarn_factor else "rope",
+        rotary_base=int(spec.rope_theta))
+
+
+def _set_yarn(config, spec: ModelSpec) -> None:
+    """megatron-core's YaRN rotary embedding reads its parameters from the config's ``yarn_*``
+    attributes (GPTModel, and the attention's cos/sin scale). Its scale is the ratio of two
+    mscales; an mscale_all_dim of 0 makes it exactly transformers' attention factor."""
+    if not spec.yarn_factor:
+        return
+    log = math.log(spec.yarn_factor) if spec.yarn_factor > 1 else 0.0
+    config.yarn_rotary_scaling_factor = spec.yarn_factor
+    config.yarn_original_max_position_embeddings = spec.yarn_original_max_position_embeddings
+    config.yarn_beta_fast, config.yarn_beta_slow = spec.yarn_beta_fast, spec.yarn_beta_slow
+    config.yarn_mscale = (spec.yarn_attention_factor - 1.0) / (0.1 * log) if log else 0.0
+    config.yarn_mscale_all_dim = 0.0
+    config.yarn_correction_range_round_to_int = spec.yarn_truncate
