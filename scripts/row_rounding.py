@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     from megatron_bubblespec.sampling import SamplingParams, sample_key
     from megatron_bubblespec.sampling.requests import RolloutRequest
 
-    cfg = load_config(args.config, ["spec.verifier=engine", "spec.speculative_continuation=false",
+    cfg = load_config(args.config, ["spec.verifier=engine", "ablation.speculative_continuation=false",
                                     *args.overrides])
     path = resolve_model(cfg, 0)
     spec, _ = load_checkpoint(path)

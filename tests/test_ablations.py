@@ -36,8 +36,8 @@ def test_continuation_study_writes_table_plot_and_results(tmp_path, monkeypatch,
     result = json.loads((out / "results.json").read_text())
     assert not result["failed"]
     [run] = result["runs"]
-    assert run["overrides"] == ["spec.speculative_continuation=true",
-                                "ablation.proposal_sources=[bubble,siblings]"]
+    assert run["overrides"] == ["ablation.speculative_continuation=true",
+                                "spec.proposal_sources=[bubble,siblings]"]
     assert run["token_mismatch"] == 0 and run["token_mismatch_samples"] == 0
     assert run["lr"] > 0 and run["policy_drift_kl_mean"] is not None
     assert [r["step"] for r in run["series"]["on"]] == [0, 1, 2, 3]
@@ -80,7 +80,7 @@ def test_continuation_study_writes_table_plot_and_results(tmp_path, monkeypatch,
     import runner
 
     def attempt(config, overrides, runs_dir, name):
-        if "ablation.proposal_sources=[self]" in overrides or "run.steps=5" in overrides:
+        if "spec.proposal_sources=[self]" in overrides or "run.steps=5" in overrides:
             raise runner.RunFailed(name, "stopped by the test", "")
         raise KeyboardInterrupt
 
@@ -88,8 +88,8 @@ def test_continuation_study_writes_table_plot_and_results(tmp_path, monkeypatch,
     args = runner.parser("").parse_args(["--config", str(ROOT / "configs" / "tiny.yaml"),
                                          "--out", str(tmp_path), "--steps", "4", "--resume"])
     runner.learning_defaults(args)
-    variants = [runner.Variant(label, ["spec.speculative_continuation=true",
-                                       f"ablation.proposal_sources=[{sources}]"])
+    variants = [runner.Variant(label, ["ablation.speculative_continuation=true",
+                                       f"spec.proposal_sources=[{sources}]"])
                 for label, sources in (("continuation from self", "self"),
                                        ("continuation from prompt", "prompt"),
                                        ("continuation from bubble+siblings", "bubble,siblings"))]

@@ -15,6 +15,7 @@ from megatron_bubblespec.data.code_task import CodeTask
 from megatron_bubblespec.data.jsonl import DatasetError
 from megatron_bubblespec.data.registry import TASKS, task_from_config
 from megatron_bubblespec.data.sandbox import run_tests
+from megatron_bubblespec.preflight import check_registered
 
 TESTS = [[[1], 3], [[2], 5], [[10], 21]]
 GOOD = "def solve(x):\n    return 2 * x + 1\n"
@@ -132,9 +133,9 @@ def test_bad_code_rows_and_config_name_the_fix(tmp_path):
     with pytest.raises(DatasetError, match=r"row 1: test \[1, 2\] is not an \[arguments list"):
         CodeTask(path=rows)
     with pytest.raises(ConfigError, match="data.task='cobol' is not a task; choose one of"):
-        load_config(None, ["data.task=cobol"])
-    with pytest.raises(ConfigError, match=r"data.path='x.jsonl' is only read with data.task in "
+        check_registered(load_config(None, ["data.task=cobol"]))
+    with pytest.raises(ConfigError, match=r"data.path='.*' is only read with data.task in "
                                           r"\['jsonl', 'code'\]"):
-        load_config(None, ["data.task=gsm8k", "data.path=x.jsonl"])
+        check_registered(load_config(None, ["data.task=gsm8k", f"data.path={rows}"]))
     with pytest.raises(ConfigError, match="data.task=jsonl needs data.path"):
-        load_config(None, ["data.task=jsonl"])
+        check_registered(load_config(None, ["data.task=jsonl"]))

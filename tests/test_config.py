@@ -2,6 +2,8 @@
 
 from pathlib import Path
 
+import re
+
 import pytest
 
 from megatron_bubblespec.config import ConfigError, load_config
@@ -31,16 +33,13 @@ def test_text_overrides_keep_their_text():
     (["rollout.samples_per_prompt=1"], "rollout.samples_per_prompt"),
     (["parallel.tensor=2"], "parallel.tensor x parallel.pipeline x parallel.context x parallel.data"),
     (["rollout.prompts_per_step=3"], "rollout.prompts_per_step"),
-    (["ablation.rule=lenient", "spec.verifier=megatron"],
-     r"ablation.rule='lenient' \(an ablation rule\) needs the drafts' distributions"),
     (["spec.verifier=engine", "rollout.engine=reference", "parallel.world_size=2",
       "parallel.tensor=2", "parallel.data=1"], "spec.verifier=engine with rollout.engine=reference"),
-    (["spec.verifier=engine", "ablation.rule=residual"], "spec.verifier=engine on vLLM"),
     (["spec.proposal_token_cost=-0.1"], "spec.proposal_token_cost"),
     (["ablation.measure_proposal_cost=true", "rollout.engine=reference"],
      "ablation.measure_proposal_cost measures a vLLM engine"),
-    (["ablation.measure_proposal_cost=true", "spec.speculative_continuation=false"],
-     "needs spec.speculative_continuation=true"),
+    (["ablation.measure_proposal_cost=true", "ablation.speculative_continuation=false"],
+     "needs ablation.speculative_continuation=true"),
     (["rollout.kv_block_size=20"], "rollout.kv_block_size=20 must be a multiple of 16"),
     (["ablation.draft_order=longest"], "ablation.draft_order"),
     (["rollout.temperature=0"], "rollout.temperature=0 samples greedily"),
@@ -53,6 +52,35 @@ def test_text_overrides_keep_their_text():
 def test_errors_name_the_key(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
         load_config(None, overrides)
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (["ablation.rule=lenient", "spec.verifier=megatron"],
+     "ablation.rule='lenient' (an ablation rule) needs the drafts' distributions"),
+    (["spec.verifier=engine", "ablation.rule=residual"], "spec.verifier=engine on vLLM"),
+    (["ablation.rule=strict"], "ablation.rule='strict' is not a verification rule; choose one of "
+                               "['keyed', 'residual', 'lenient']"),
+    (["data.task=cobol"], "data.task='cobol' is not a task; choose one of"),
+])
+def test_names_are_checked_against_the_registries(overrides, fragment):
+    """Tasks and rules are registered where their code is (data.registry, spec.rules), above the
+    config package, so preflight checks the names and their placement."""
+    from megatron_bubblespec.preflight import check_registered
+
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        check_registered(cfg)
+
+
+def test_moved_keys_load_under_their_new_names(tmp_path):
+    old = tmp_path / "old.yaml"
+    old.write_text("spec:\n  speculative_continuation: false\nablation:\n"
+                   "  proposal_sources: [bubble]\n")
+    with pytest.warns(FutureWarning, match="spec.speculative_continuation is now "
+                                           "ablation.speculative_continuation"):
+        cfg = load_config(old, ["spec.reuse_draft_kv=false"])
+    assert not cfg.ablation.speculative_continuation and not cfg.ablation.reuse_draft_kv
+    assert cfg.spec.proposal_sources == ["bubble"]
 
 
 def test_expert_parallelism_divides_data_parallelism():
@@ -224,7 +252,7 @@ def test_train_without_a_config_runs_the_main_job():
     cfg = load_config(args.config, args.overrides)
     assert (cfg.model.path, cfg.data.task, cfg.run.name) == ("smollm2", "gsm8k", "smollm2-gsm8k")
     assert (cfg.parallel.data, cfg.rollout.engine, cfg.spec.enabled) == (2, "vllm", True)
-    assert cfg.ablation.proposal_sources == ["bubble", "realign", "prompt", "self", "siblings"]
+    assert cfg.spec.proposal_sources == ["bubble", "realign", "prompt", "self", "siblings"]
 
 
 def _train(monkeypatch, capsys, path) -> tuple[int, str]:
@@ -305,7 +333,7 @@ def test_run_identity_of_an_off_run_reads_only_spec_enabled():
     assert neutral_keys(False) == {**neutral_keys(True), "rollout": ("kv_block_size",)}
     off = run_identity(load_config(None, ["spec.enabled=false"]))
     drafting = ["spec.verifier=megatron", "spec.min_match=5", "spec.draft_horizon=1",
-                "ablation.proposal_sources=[bubble]", "ablation.draft_order=stragglers",
+                "spec.proposal_sources=[bubble]", "ablation.draft_order=stragglers",
                 "rollout.kv_block_size=null", "run.keep_checkpoints=4"]
     assert run_identity(load_config(None, ["spec.enabled=false", *drafting])) == off
     assert run_identity(load_config(None, ["spec.enabled=false", "run.seed=7"])) != off

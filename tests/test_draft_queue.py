@@ -203,7 +203,7 @@ def test_continuation_pools_a_prompts_drafts_and_a_partial_draft_is_extended():
     assert [r.proposals.drafts for r in requests] == [[[7, 8], [7, 2]], [[7, 8], [7, 2]],
                                                       [[4]], [[4]]]
     assert [r.proposals.own for r in requests] == [0, 1, 0, None]
-    off = _policy("spec.speculative_continuation=false")
+    off = _policy("ablation.speculative_continuation=false")
     assert all(r.proposals == plan.requests(48)[0].proposals
                for r in off.with_pools(plan, plan.requests(48)))
 

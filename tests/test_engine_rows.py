@@ -40,7 +40,7 @@ def _rows_worker():
     from megatron_bubblespec.sampling import SamplingParams, sample_key
     from megatron_bubblespec.sampling.requests import RolloutRequest
 
-    cfg = load_config(LONGTAIL, ["spec.verifier=engine", "spec.speculative_continuation=false",
+    cfg = load_config(LONGTAIL, ["spec.verifier=engine", "ablation.speculative_continuation=false",
                                  f"rollout.max_new_tokens={NEW_TOKENS}", "model.max_model_len=384",
                                  "rollout.kv_cache_mb=256"])
     path = resolve_model(cfg, 0)

@@ -62,8 +62,8 @@ def _requests(step: int) -> list[RolloutRequest]:
 
 
 CONTINUATION = ContinuationSettings.of(   # k 4, the prompt's drafts, drafts verified by Megatron
-    "spec.min_match=2", "ablation.proposal_sources=[bubble,realign]",
-    "spec.proposal_token_cost=null", "spec.verifier=megatron", "spec.reuse_draft_kv=false")
+    "spec.min_match=2", "spec.proposal_sources=[bubble,realign]",
+    "spec.proposal_token_cost=null", "spec.verifier=megatron", "ablation.reuse_draft_kv=false")
 
 
 def _engine(path, dtype_name: str, on_gpu: bool):

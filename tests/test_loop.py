@@ -68,7 +68,7 @@ def test_drafts_verified_inside_the_rollout_give_the_off_run(engine_verified, ru
 def test_continuation_counts_add_up_over_its_sources(runs):
     """configs/tiny.yaml proposes from every source; the per-source counts sum to the totals."""
     on, off = runs
-    assert load_config(TINY).ablation.proposal_sources == list(ALL_SOURCES)
+    assert load_config(TINY).spec.proposal_sources == list(ALL_SOURCES)
     for record in on["records"]:
         for kind in ("proposed", "accepted"):
             total = record.get(f"spec/continuation_{kind}_tokens", 0)
@@ -210,7 +210,7 @@ def test_earlier_responses_stay_exact(tmp_path):
     # accepted; greedy accepted every draft token)
     small = ("data.size=4", "run.steps=3", "rollout.temperature=0.1")
     on = train(_cfg(tmp_path, "epoch-on", *small, "ablation.draft_source=previous_epoch",
-                    "ablation.proposal_sources=[history]"))
+                    "spec.proposal_sources=[history]"))
     off = train(_cfg(tmp_path, "epoch-off", *small, "spec.enabled=false"))
     assert on["rollouts"] == off["rollouts"]
     assert [r["spec/drafted_tokens"] > 0 for r in on["records"]] == [False, True, True]

@@ -111,7 +111,7 @@ def test_speculative_continuation_is_exact_and_saves_decode_steps(checkpoint, pe
         "random": [[torch.randint(3, 256, (NEW_TOKENS,), generator=g).tolist()] for _ in prompts],
     }
     engine = ReferenceEngine(checkpoint, continuation=ContinuationSettings.of(
-        "spec.spec_k=6", "spec.min_match=2", "ablation.proposal_sources=[bubble,realign]",
+        "spec.spec_k=6", "spec.min_match=2", "spec.proposal_sources=[bubble,realign]",
         "spec.proposal_token_cost=null"))
     for kind, pool in pools.items():
         results = engine.generate(_requests(prompts, pools=pool), params)

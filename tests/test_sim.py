@@ -182,11 +182,11 @@ def test_the_on_runs_config_names_the_spec_settings(tmp_path):
     bench = {"name": "smollm2-gsm8k", "config": "configs/default.yaml", "overrides": []}
     (tmp_path / "smollm2-gsm8k-off").mkdir()
     (tmp_path / "smollm2-gsm8k-off" / "config.yaml").write_text(off_text)
-    assert bench_config(tmp_path / "bench.json", bench).spec.speculative_continuation
+    assert bench_config(tmp_path / "bench.json", bench).ablation.speculative_continuation
     (tmp_path / "smollm2-gsm8k-on").mkdir()
     (tmp_path / "smollm2-gsm8k-on" / "config.yaml").write_text(
         off_text.replace("speculative_continuation: true", "speculative_continuation: false"))
-    assert not bench_config(tmp_path / "bench.json", bench).spec.speculative_continuation
+    assert not bench_config(tmp_path / "bench.json", bench).ablation.speculative_continuation
 
 
 def test_calibration_reads_the_default_jobs_bench():

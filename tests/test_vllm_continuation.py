@@ -41,9 +41,9 @@ def _settings(*overrides: str) -> ContinuationSettings:
     the prompt's drafts only, always k tokens, drafts verified outside the engine; then
     ``overrides`` (config keys)."""
     return ContinuationSettings.of(f"spec.spec_k={SPEC_K}", "spec.min_match=2", "spec.max_match=8",
-                                   "ablation.proposal_sources=[bubble,realign]",
+                                   "spec.proposal_sources=[bubble,realign]",
                                    "spec.proposal_token_cost=null", "spec.verifier=megatron",
-                                   "spec.reuse_draft_kv=false", *overrides)
+                                   "ablation.reuse_draft_kv=false", *overrides)
 LOGPROB_TOL = 1e-6
 PARAMS = {"T1": SamplingParams(1.0), "greedy": SamplingParams(0.0),
           "T0.7-p0.9": SamplingParams(0.7, top_p=0.9)}
@@ -266,9 +266,9 @@ def test_continuation_pauses_after_misses():
 
 
 ALL_SOURCES = ("bubble", "realign", "prompt", "history", "self", "siblings")
-SOURCES_OPTIONS = dict(continuation=_settings(f"ablation.proposal_sources=[{','.join(ALL_SOURCES)}]"))
+SOURCES_OPTIONS = dict(continuation=_settings(f"spec.proposal_sources=[{','.join(ALL_SOURCES)}]"))
 ADAPTIVE_OPTIONS = dict(continuation=_settings(
-    f"ablation.proposal_sources=[{','.join(ALL_SOURCES)}]", "spec.proposal_token_cost=0.4"))
+    f"spec.proposal_sources=[{','.join(ALL_SOURCES)}]", "spec.proposal_token_cost=0.4"))
 
 
 # Every vLLM engine of this module lives until the module ends: an in-process engine's teardown
@@ -451,7 +451,7 @@ def test_own_draft_is_proposed_whole_until_the_response_leaves_it():
 def verify_engine(checkpoint):
     """An engine that verifies requests' own drafts (spec.verifier: engine), no continuation."""
     engine = VLLMEngine(checkpoint, max_model_len=512, seed=0,
-                        continuation=_settings("spec.speculative_continuation=false",
+                        continuation=_settings("ablation.speculative_continuation=false",
                                                "spec.verifier=engine"))
     yield engine
     assert not engine.has_unfinished()

@@ -19,6 +19,8 @@ import gc
 import json
 import math
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -359,7 +361,9 @@ def test_drafts_extend_on_kv_of_earlier_weights_and_rollouts_never_do(engine, ch
         request.drafting = draft
         return engine.generate([request], PARAMS["T1"])[0]
 
-    engine.reuse_draft_kv = engine.drafting_logprobs = True   # the logprobs show the KV met
+    plain = engine.continuation
+    engine.continuation = replace(plain, reuse_draft_kv=True)
+    engine.drafting_logprobs = True   # the logprobs show the KV met
     try:
         rollout_w0 = run("kv-rollout-w0", False)
         assert run("kv-draft-w0", True).logprobs == pytest.approx(rollout_w0.logprobs, abs=1e-5)
@@ -373,7 +377,7 @@ def test_drafts_extend_on_kv_of_earlier_weights_and_rollouts_never_do(engine, ch
         assert again.token_ids == rollout_w0.token_ids
         assert max_abs_diff(again.logprobs, rollout_w0.logprobs) <= LOGPROB_TOL_SAME
     finally:
-        engine.reuse_draft_kv = engine.drafting_logprobs = False
+        engine.continuation, engine.drafting_logprobs = plain, False
         engine.update_weights(original.items())   # and a clean prefix cache for what follows
 
 

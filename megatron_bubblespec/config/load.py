@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import typing
+import warnings
 from pathlib import Path
 
 import yaml
@@ -22,6 +23,12 @@ from megatron_bubblespec.config.rules import VLLM_MAX_SPEC_TOKENS, ConfigError, 
 from megatron_bubblespec.config.schema import Config
 
 __all__ = ["VLLM_MAX_SPEC_TOKENS", "ConfigError", "load_config", "to_yaml", "validate"]
+
+# Keys that moved, old -> new: run directories written before and old commands still load (the
+# value goes to the new key, with a warning naming it).
+MOVED = {"spec.speculative_continuation": "ablation.speculative_continuation",
+         "spec.reuse_draft_kv": "ablation.reuse_draft_kv",
+         "ablation.proposal_sources": "spec.proposal_sources"}
 
 
 def _friendly(err: OmegaConfBaseException, source: str) -> ConfigError:
@@ -36,13 +43,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if path is not None:
         path = Path(path)
         try:
-            merged = OmegaConf.merge(merged, _read_file(path))
+            merged = OmegaConf.merge(merged, _moved_keys(_read_file(path), str(path)))
         except OmegaConfBaseException as err:
             raise _friendly(err, str(path)) from None
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value "
                               "(for example spec.enabled=false)")
+    overrides = [_moved_override(item) for item in overrides]
     try:
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
         for key, text in _text_overrides(overrides):
@@ -75,6 +83,28 @@ def _read_file(path: Path) -> DictConfig:
         raise ConfigError(f"{path}: the top level is {shape}; a config file is a mapping of "
                           "sections (run:, model:, rollout:, spec:, ...), each a mapping of keys")
     return loaded
+
+
+def _moved_keys(loaded: DictConfig, source: str) -> DictConfig:
+    """A file's sections with every key of ``MOVED`` under its new name."""
+    sections = OmegaConf.to_container(loaded)
+    for old, new in MOVED.items():
+        (room, key), (new_room, new_key) = old.split("."), new.split(".")
+        if isinstance(sections.get(room), dict) and key in sections[room]:
+            sections.setdefault(new_room, {})[new_key] = sections[room].pop(key)
+            warnings.warn(f"{source}: {old} is now {new}; rename it there", FutureWarning,
+                          stacklevel=3)
+    return OmegaConf.create(sections)
+
+
+def _moved_override(item: str) -> str:
+    key, _, value = item.partition("=")
+    if key.strip() not in MOVED:
+        return item
+    new = MOVED[key.strip()]
+    warnings.warn(f"command line: {key} is now {new}; use {new}={value}", FutureWarning,
+                  stacklevel=3)
+    return f"{new}={value}"
 
 
 def _syntax_error(err: yaml.YAMLError, path: Path) -> ConfigError:

@@ -142,11 +142,11 @@ def _check_prompt_groups(cfg: Config) -> None:
 # ------------------------------------------------------------------------- spec and ablation
 
 def _check_proposal_sources(cfg: Config) -> None:
-    unknown = sorted(set(cfg.ablation.proposal_sources) - set(PROPOSAL_SOURCES))
+    unknown = sorted(set(cfg.spec.proposal_sources) - set(PROPOSAL_SOURCES))
     if unknown:
-        raise ConfigError(f"ablation.proposal_sources has {unknown}; choose from "
+        raise ConfigError(f"spec.proposal_sources has {unknown}; choose from "
                           f"{list(PROPOSAL_SOURCES)} "
-                          "(for example ablation.proposal_sources=[bubble,prompt,self])")
+                          "(for example spec.proposal_sources=[bubble,prompt,self])")
 
 
 def _check_verifier(cfg: Config) -> None:
@@ -163,61 +163,21 @@ def _check_verifier(cfg: Config) -> None:
                           "(its keyed draws need each sequence's logits whole on a rank); use "
                           "spec.verifier=engine (drafts verified inside vLLM's rollout, any "
                           "layout) or spec.enabled=false")
-    rule = _verification_rule(cfg)
-    if spec.verifier == "engine" and cfg.rollout.engine == "vllm" and "vllm" not in rule.verifiers:
-        raise ConfigError(f"spec.verifier=engine on vLLM verifies with the keyed rule only "
-                          f"(ablation.rule={rule.name!r} runs on: {', '.join(rule.verifiers)}); "
-                          "use ablation.rule=keyed, or rollout.engine=reference")
-
-
-def _verification_rule(cfg: Config):
-    """``ablation.rule`` in the verification rules' registry (``spec.rules``)."""
-    from megatron_bubblespec.spec.rules import RULES as VERIFICATION_RULES
-
-    if cfg.ablation.rule not in VERIFICATION_RULES:
-        raise ConfigError(f"ablation.rule={cfg.ablation.rule!r} is not a verification rule; "
-                          f"choose one of {list(VERIFICATION_RULES)} (spec/rules.py registers "
-                          "them)")
-    return VERIFICATION_RULES[cfg.ablation.rule]
-
-
-def _check_ablation_rule(cfg: Config) -> None:
-    """A rule that runs in the reference engine only: there, on one rank's whole model (the
-    drafting policy's distributions, kept by the engine, for the rules that read them)."""
-    verification_rule, p = _verification_rule(cfg), cfg.parallel
-    rule = verification_rule.name
-    if not cfg.spec.enabled or "vllm" in verification_rule.verifiers:
-        return
-    if cfg.rollout.engine != "reference" or p.tensor != 1 or p.pipeline != 1:
-        raise ConfigError(f"ablation.rule={rule!r} (an ablation rule) needs the drafts' "
-                          "distributions: use rollout.engine=reference with parallel.tensor=1 "
-                          "and parallel.pipeline=1, or ablation.rule=keyed")
-    if cfg.spec.speculative_continuation:
-        raise ConfigError(f"ablation.rule={rule!r}: speculative continuation verifies with "
-                          "the keyed rule; set spec.speculative_continuation=false")
-    if cfg.rollout.temperature == 0:
-        raise ConfigError(f"ablation.rule={rule!r} needs rollout.temperature > 0")
-    if (cfg.ablation.draft_lookahead != 1 or cfg.spec.draft_horizon != 1
-            or cfg.ablation.draft_source != "bubble"):
-        raise ConfigError(f"ablation.rule={rule!r} compares rules on BubbleSpec's own "
-                          "drafts (the engine keeps only the last policy): use "
-                          "ablation.draft_lookahead=1, spec.draft_horizon=1 and "
-                          "ablation.draft_source=bubble")
 
 
 def _check_continuation(cfg: Config) -> None:
     """Speculative continuation: what vLLM verifies per step, and what a proposal costs."""
     spec = cfg.spec
-    if (cfg.rollout.engine == "vllm" and spec.enabled and spec.speculative_continuation
+    if (cfg.rollout.engine == "vllm" and spec.enabled and cfg.ablation.speculative_continuation
             and spec.spec_k > VLLM_MAX_SPEC_TOKENS):
         raise ConfigError(f"spec.spec_k={spec.spec_k}: vLLM's rejection sampler verifies at "
                           f"most {VLLM_MAX_SPEC_TOKENS} proposed tokens per step; lower "
                           "spec.spec_k")
     if cfg.ablation.measure_proposal_cost and not (
-            spec.speculative_continuation and cfg.rollout.engine == "vllm"
+            cfg.ablation.speculative_continuation and cfg.rollout.engine == "vllm"
             and cfg.rollout.tensor_parallel == 1):
         raise ConfigError("ablation.measure_proposal_cost measures a vLLM engine's verify steps at "
-                          "start-up: it needs spec.speculative_continuation=true, rollout.engine="
+                          "start-up: it needs ablation.speculative_continuation=true, rollout.engine="
                           "vllm and rollout.tensor_parallel=1 (the ranks of a tensor-parallel "
                           "engine would measure apart); or set spec.proposal_token_cost instead")
     if spec.proposal_token_cost is not None and spec.proposal_token_cost < 0:
@@ -240,21 +200,7 @@ def _check_model_dtype(cfg: Config) -> None:
 
 def _check_data(cfg: Config) -> None:
     """The dataset file and the token budget: prompt + response must fit the model's context."""
-    from megatron_bubblespec.data.registry import TASKS
-
     d, r, m = cfg.data, cfg.rollout, cfg.model
-    if d.task not in TASKS:
-        raise ConfigError(f"data.task={d.task!r} is not a task; choose one of {list(TASKS)} "
-                          "(data/registry.py registers them)")
-    entry = TASKS[d.task]
-    readers = [name for name, e in TASKS.items() if e.path != "never"]
-    if entry.path == "required" and not d.path:
-        raise ConfigError(f"data.task={d.task} needs data.path: set data.path=FILE.jsonl, a "
-                          "file of its rows, one JSON object per line")
-    if entry.path == "never" and d.path:
-        raise ConfigError(f"data.path={d.path!r} is only read with data.task in {readers} "
-                          f"(data.task={d.task!r} has its own data); set data.task or drop "
-                          "data.path")
     if d.path and not Path(d.path).is_file():
         raise ConfigError(f"data.path={d.path!r}: no such file; point it at a JSONL file of "
                           f"data.task={d.task}'s rows")
@@ -298,7 +244,7 @@ def _check_learner(cfg: Config) -> None:
 RULES = (
     _check_choices, _check_bounds, _check_parallel_layout, _check_rollout_tensor_parallel,
     _check_proposal_sources, _check_gpu_memory_switches, _check_batch_invariance,
-    _check_prompt_groups, _check_verifier, _check_ablation_rule, _check_continuation,
+    _check_prompt_groups, _check_verifier, _check_continuation,
     _check_learner,
     _check_model_dtype, _check_data, _check_resume,
 )

@@ -82,7 +82,7 @@ class RolloutConfig:
     prompts_per_step: int = 2       # global, over all DP ranks
     kv_cache_mb: int = 512          # CPU: KV cache size; GPU: see gpu_memory_utilization
     # tokens per KV block (vLLM's prefix-cache unit; None: vLLM's choice, 128 on CPU, 16 on GPU);
-    # a request prefills what follows its last cached full block (spec.reuse_draft_kv)
+    # a request prefills what follows its last cached full block (ablation.reuse_draft_kv)
     kv_block_size: Optional[int] = field(default=32, metadata=OFF_RUN)
     tensor_parallel: int = 1        # ranks per engine, a divisor of TP x CP; every rank is in one engine
     gpu_memory_utilization: float = 0.5  # fraction of a GPU vLLM may take (GPU)
@@ -109,7 +109,10 @@ class SpecConfig:
     # no bound, the batch is claimed at once); bounds the engine step in flight when the barrier
     # closes, which the step waits for (spec.bubble)
     draft_prefill_tokens: int = 256
-    speculative_continuation: bool = True
+    # what a decoding sample proposes from (spec.pool, where each source is described); each is
+    # counted in spec/continuation_*/<source>
+    proposal_sources: list[str] = field(
+        default_factory=lambda: ["bubble", "realign", "prompt", "self", "siblings"])
     spec_k: int = 4
     # the cost of one proposed token, as a fraction of a decode step: each sample then proposes
     # the 0 .. spec_k tokens that pay at its recent acceptance (spec.pool); none: always spec_k
@@ -121,10 +124,6 @@ class SpecConfig:
     # a bubble with every draft complete re-drafts the ones older weights made, nearest step
     # first, its engine verifying the old draft as proposals (spec.queue; engine verifier only)
     refresh_drafts: bool = True
-    # vLLM keeps its prefix cache across weight updates, salted per weight version for rollouts and
-    # shared by drafting requests: a bubble extends a partial draft on the KV an earlier bubble left
-    # (computed by older weights: only a proposal) instead of prefilling prompt + draft again
-    reuse_draft_kv: bool = True
 
 
 @dataclass
@@ -140,10 +139,12 @@ class AblationConfig:
     # which of a step's samples a bubble drafts first (spec.queue): engines (round-robin over the
     # engines that roll them out) | stragglers (partial drafts still running first, longest first)
     draft_order: str = "engines"
-    # what a decoding sample proposes from (spec.pool, where each source is described); each is
-    # counted in spec/continuation_*/<source>
-    proposal_sources: list[str] = field(
-        default_factory=lambda: ["bubble", "realign", "prompt", "self", "siblings"])
+    # decoding samples propose tokens from spec.proposal_sources after a divergence (spec.pool)
+    speculative_continuation: bool = True
+    # vLLM keeps its prefix cache across weight updates, salted per weight version for rollouts and
+    # shared by drafting requests: a bubble extends a partial draft on the KV an earlier bubble left
+    # (computed by older weights: only a proposal) instead of prefilling prompt + draft again
+    reuse_draft_kv: bool = True
     # each vLLM engine measures spec.proposal_token_cost at start-up instead, at its share of a
     # step's samples, and logs spec/proposal_token_cost
     measure_proposal_cost: bool = False

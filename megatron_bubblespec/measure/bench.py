@@ -53,7 +53,7 @@ The comparison:
   ``decode_steps_ratio_ceiling`` = 1 - accept_per_token x draft_coverage (the lowest decode steps
   ratio exact verification allows with these drafts) and
   ``decode_steps_ratio_ceiling_full_coverage`` = 1 - accept_per_token (drafts covering every
-  response); speculative continuation (rollout proposals, ``ablation.proposal_sources``):
+  response); speculative continuation (rollout proposals, ``spec.proposal_sources``):
   ``continuation_proposed_tokens``, ``continuation_accepted_tokens``, ``continuation_accept_rate``
   (accepted / proposed), and per source ``continuation_{proposed,accepted}_tokens_<source>``;
 * bubble, over all steps (the drafts of step t are made in the bubble of step t - 1):

@@ -207,7 +207,7 @@ class VLLMEngine(RolloutEngine):
     tokens a step, and verified by the same keyed spec-decode step, in the engine's
     own forward: the prompt is prefilled once and the accepted prefix is never prefilled again.
 
-    ``reuse_draft_kv`` (``spec.reuse_draft_kv``): a weight update keeps the prefix cache. Every
+    ``reuse_draft_kv`` (``ablation.reuse_draft_kv``): a weight update keeps the prefix cache. Every
     request's cached KV is salted: a rollout request's with the weight version, so it only
     ever meets KV of the weights it runs on (as after a cache reset); a drafting request's
     (``RolloutRequest.drafting``) with one salt for all versions, so a later bubble extends a

@@ -53,7 +53,7 @@ def install() -> None:
             f"speculative continuation patches vLLM {VLLM_VERSION} in process, but vLLM "
             f"{vllm.__version__} is installed: re-read the patch points in "
             "megatron_bubblespec/rollout/vllm_patches.py for this version, or run with "
-            "spec.speculative_continuation=false")
+            "ablation.speculative_continuation=false")
     _patch_build_logitsprocs()
     _patch_rejection_sampler()
     _INSTALLED = True

@@ -8,7 +8,7 @@ decode batch in flight, refilled from the cursor as drafts finish; the prefill p
 paced by a budget) and stops within one engine step of the barrier's close whatever the batch.
 The prefill estimate of a claimed request is prompt + prefix, less the tokens this engine itself
 computed for the sample in an earlier bubble (their KV is likely still cached:
-``spec.reuse_draft_kv``).
+``ablation.reuse_draft_kv``).
 
 The counter and the cursor live in the torch.distributed store, which works for gloo and NCCL
 alike and costs one round trip per check. Fast engines arrive first and claim more chunks; no

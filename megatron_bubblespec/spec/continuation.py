@@ -1,5 +1,5 @@
-"""A run config's ``spec.*`` and ``ablation.proposal_sources`` -> one ``ContinuationSettings`` value
--> both rollout engines.
+"""A run config's ``spec.*`` and ``ablation.speculative_continuation`` / ``reuse_draft_kv`` -> one
+``ContinuationSettings`` value -> both rollout engines.
 
 The engines keep no speculative settings of their own: ``from_config`` is the one place that reads
 them from the schema, and ``of`` gives what a config with some overrides would give, for code that
@@ -20,20 +20,20 @@ class ContinuationSettings:
     k: int                     # the most tokens a request proposes a step (spec.spec_k)
     min_match: int             # the n-gram lengths a proposal matches (spec.min_match ..
     max_match: int             # spec.max_match)
-    sources: tuple[str, ...]   # what a request proposes from (ablation.proposal_sources)
+    sources: tuple[str, ...]   # what a request proposes from (spec.proposal_sources)
     token_cost: float | None   # one proposed token's cost in decode steps; None: always k tokens
     verify_drafts: bool        # vLLM verifies requests' own drafts (spec.verifier=engine)
     reuse_draft_kv: bool       # vLLM keeps drafting requests' KV across weight updates
 
     @classmethod
     def from_config(cls, cfg) -> ContinuationSettings:
-        s = cfg.spec
-        return cls(enabled=s.enabled and s.speculative_continuation, k=s.spec_k,
+        s, a = cfg.spec, cfg.ablation
+        return cls(enabled=s.enabled and a.speculative_continuation, k=s.spec_k,
                    min_match=s.min_match, max_match=s.max_match,
-                   sources=tuple(cfg.ablation.proposal_sources), token_cost=s.proposal_token_cost,
+                   sources=tuple(s.proposal_sources), token_cost=s.proposal_token_cost,
                    verify_drafts=s.enabled and s.verifier == "engine"
                    and cfg.rollout.engine == "vllm",
-                   reuse_draft_kv=s.enabled and s.reuse_draft_kv)
+                   reuse_draft_kv=s.enabled and a.reuse_draft_kv)
 
     @classmethod
     def of(cls, *overrides: str) -> ContinuationSettings:

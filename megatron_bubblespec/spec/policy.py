@@ -33,8 +33,8 @@ class DraftingPolicy:
         self.enabled = s.enabled
         self.previous_epoch = s.enabled and a.draft_source == "previous_epoch"
         self.bubble_drafts = s.enabled and a.draft_source == "bubble" and s.max_draft_tokens > 0
-        self.continuation = s.enabled and s.speculative_continuation
-        self.history = "history" in a.proposal_sources
+        self.continuation = s.enabled and a.speculative_continuation
+        self.history = "history" in s.proposal_sources
         # the chunk's slots at least: a claimed chunk is never short of room
         self.claims = ClaimPolicy(chunk=s.draft_chunk, in_flight=max(s.draft_in_flight,
                                                                      s.draft_chunk),

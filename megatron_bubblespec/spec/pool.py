@@ -3,7 +3,7 @@ texts as they grow) + a sample's text so far -> the next k tokens to propose, an
 
 Speculative continuation: while a sample decodes, it proposes tokens that followed the longest
 suffix of its current text seen in one of its sources; the keyed verifier decides, so any source is
-exact. The sources (``ablation.proposal_sources``, each switchable):
+exact. The sources (``spec.proposal_sources``, each switchable):
 
 * ``bubble``: the drafts of the same prompt's other samples, made by the older policy in the
   bubble (each indexed as prompt + draft);

@@ -5,7 +5,7 @@ to the plain run) and SPEC-RL's lenient rule (ablation.rule=lenient; inexact).
 
 The non-keyed rules need the drafts' distributions, which only the reference engine keeps, and
 verify without speculative continuation: every run of the study, the off run included, uses
-rollout.engine=reference and spec.speculative_continuation=false. The table shows acceptance and
+rollout.engine=reference and ablation.speculative_continuation=false. The table shows acceptance and
 speed; token mismatch against the off run and the reward curves show what inexactness costs. On
 configs/tiny.yaml the runs use runner.LEARNING (lr 3e-3, 60 steps) unless --lr / --steps say
 otherwise. The residual and lenient rules verify in the reference engine (which keeps the drafting
@@ -29,7 +29,7 @@ COLUMNS = (*report.DEFAULT_COLUMNS,
            report.Column("mismatched samples", "token_mismatch_samples", count),
            report.Column("reward off first", "reward_first_off", number),
            report.Column("reward off last", "reward_last_off", number))
-ENGINE = ("rollout.engine=reference", "spec.speculative_continuation=false")
+ENGINE = ("rollout.engine=reference", "ablation.speculative_continuation=false")
 
 
 def main(argv=None) -> None:

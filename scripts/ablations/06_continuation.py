@@ -1,8 +1,8 @@
-"""Study 6: speculative continuation after a divergence (spec.speculative_continuation on / off),
+"""Study 6: speculative continuation after a divergence (ablation.speculative_continuation on / off),
 and its proposal sources.
 
 With continuation on, a sample whose draft was rejected keeps proposing tokens from its sources
-(ablation.proposal_sources; the schema's default: the other drafts of its prompt, and its own draft
+(spec.proposal_sources; the schema's default: the other drafts of its prompt, and its own draft
 re-aligned, each on a suffix match of at least spec.min_match tokens), so drafts keep saving
 decode steps past the first divergence; off, the engine decodes everything after the accepted
 prefix one token per step.
@@ -38,7 +38,7 @@ TITLE = "Speculative continuation after divergence"
 def main(argv=None) -> None:
     p = runner.parser(__doc__)
     p.add_argument("--continuation", type=runner.csv(str), default=["true", "false"],
-                   help="values of spec.speculative_continuation (default %(default)s)")
+                   help="values of ablation.speculative_continuation (default %(default)s)")
     p.add_argument("--min-match", type=runner.csv(int), default=[],
                    help="extra continuation-on variants, one per spec.min_match value (the "
                         "shortest suffix match that proposes; the config's is the default "
@@ -52,13 +52,13 @@ def main(argv=None) -> None:
                         "(null: always spec.spec_k tokens, adaptive k off), e.g. null")
     args = p.parse_args(argv)
     runner.learning_defaults(args)
-    variants = [runner.Variant(f"continuation {v}", [f"spec.speculative_continuation={v}"])
+    variants = [runner.Variant(f"continuation {v}", [f"ablation.speculative_continuation={v}"])
                 for v in args.continuation]
     variants += [runner.Variant(f"continuation true, min_match {m}",
-                                ["spec.speculative_continuation=true", f"spec.min_match={m}"])
+                                ["ablation.speculative_continuation=true", f"spec.min_match={m}"])
                  for m in args.min_match]
     variants += [runner.Variant(f"continuation true, proposal_token_cost {c}",
-                                ["spec.speculative_continuation=true",
+                                ["ablation.speculative_continuation=true",
                                  f"spec.proposal_token_cost={c}"])
                  for c in args.proposal_token_cost]
     for sources in args.sources:
@@ -68,7 +68,7 @@ def main(argv=None) -> None:
             p.error(f"--sources {sources}: unknown {unknown}; choose from "
                     f"{', '.join(PROPOSAL_SOURCES)} or all")
         variants.append(runner.Variant(f"continuation from {sources}", [
-            "spec.speculative_continuation=true", f"ablation.proposal_sources=[{','.join(chosen)}]"]))
+            "ablation.speculative_continuation=true", f"spec.proposal_sources=[{','.join(chosen)}]"]))
     result = runner.run_study(STUDY, args, variants)
     columns = (*report.ACCEPT, *report.SPEED[:2], *report.ENGINE, *report.SPEED[2:],
                *report.STEADY, *report.BUBBLE, *report.COVERAGE, *report.CONTINUATION,

@@ -213,7 +213,7 @@ def _job_shape(cfg, off: Sequence[Mapping], bench_path: Path) -> dict:
                 "chunk": cfg.spec.draft_chunk, "in_flight": cfg.spec.draft_in_flight,
                 "prefill_budget": cfg.spec.draft_prefill_tokens,
                 "horizon": cfg.spec.draft_horizon, "order": cfg.ablation.draft_order,
-                "continuation_k": cfg.spec.spec_k if cfg.spec.speculative_continuation else 0,
+                "continuation_k": cfg.spec.spec_k if cfg.ablation.speculative_continuation else 0,
                 "engine": r.engine}
     ranks = sum(1 for k in off[0] if k.startswith("rank") and k.endswith("/bubble/idle_s"))
     if ranks < 1:

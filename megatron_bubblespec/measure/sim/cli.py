@@ -137,7 +137,7 @@ def grid_setting(cal, args):
             draft_chunk=cfg.spec.draft_chunk, draft_concurrency=cfg.spec.draft_in_flight,
             draft_prefill_tokens=cfg.spec.draft_prefill_tokens,
             draft_horizon=cfg.spec.draft_horizon, draft_order=cfg.ablation.draft_order,
-            continuation_k=cfg.spec.spec_k if cfg.spec.speculative_continuation else 0)
+            continuation_k=cfg.spec.spec_k if cfg.ablation.speculative_continuation else 0)
         budget_frac = min(cfg.spec.max_draft_tokens, r.max_new_tokens) / r.max_new_tokens
         prompt = prompt_length(cfg) if args.prompt_len is None else None
         if prompt is not None:

@@ -48,7 +48,7 @@ bench`` does):
   (cost per token of the rank with the most tokens) and reshard (a constant).
 
 Not modelled: the prefill of a partial draft's earlier tokens when a later bubble extends it (the
-claimed requests prefill their prompts only; ``spec.reuse_draft_kv`` makes that nearly true on the
+claimed requests prefill their prompts only; ``ablation.reuse_draft_kv`` makes that nearly true on the
 engine that drafted them, not on another), continuation on samples without a draft of their own
 but with drafted siblings, proposals' dependence on what the drafts contain (one measured gain per
 decode step), the higher cost of a k-token verify step over a plain decode step (a CPU cost), chunked prefill, prefill cost
@@ -227,7 +227,7 @@ class Setting:
     draft_order: str = "engines"      # ablation.draft_order: which samples a bubble drafts first
     jitter: float = 0.0               # log-sd of a rank's rollout speed, drawn per rank and step
     spec: bool = True
-    continuation_k: int = 0           # spec.spec_k with spec.speculative_continuation, else 0
+    continuation_k: int = 0           # spec.spec_k with ablation.speculative_continuation, else 0
     # continuation's accepted tokens per decode step (0 = none), on positions past a draft's end
     # and on the positions a draft still covers after a divergence (None there: every proposal
     # re-aligned with the draft and agreeing with probability accept_prob, the optimistic case)
