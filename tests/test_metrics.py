@@ -242,6 +242,20 @@ def test_every_metric_the_producers_emit_is_registered():
             "spec/continuation_{x}_tokens/{x}"} <= set(emitted)
 
 
+def test_every_metric_the_readers_name_is_registered():
+    """The bench, its reports, the simulator, the plots and the ablation scripts read records by
+    key: a misspelt key would read nothing, so every key they name must be declared too."""
+    root = Path(__file__).resolve().parents[1]
+    named = {}
+    for folder in ("megatron_bubblespec/measure", "megatron_bubblespec/metrics", "scripts"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for key in _emitted_keys(path):
+                named.setdefault(key, []).append(str(path.relative_to(root)))
+    unknown = {k: where for k, where in sorted(named.items()) if not _known(k)}
+    assert not unknown, f"metric keys read but not declared in the registry: {unknown}"
+    assert {"rollout/decode_steps", "rollout/engine_steps", "policy/drift_kl"} <= set(named)
+
+
 def test_the_emitted_key_scan_sees_an_unregistered_metric(tmp_path):
     source = tmp_path / "m.py"
     source.write_text('m = {"rollout/time_s": 1, "rollout/new_thing": 2, f"spec/x_{k}/{s}": 3,\n'
