@@ -12,7 +12,7 @@ plain decoding, in fewer sequential target forwards.
 import torch
 
 from megatron_bubblespec.sampling import SamplingParams, keyed_sample, sample_key
-from megatron_bubblespec.spec import verify_keyed
+from megatron_bubblespec.speculative import verify_keyed
 
 VOCAB, EOS, MAX_NEW = 16, 0, 48
 PARAMS = SamplingParams(temperature=1.0)

@@ -102,10 +102,10 @@ def preflight(cfg: Config) -> PreflightReport:
 
 def check_registered(cfg: Config) -> None:
     """The task and the verification rule the config names, against their registries
-    (``data.registry``, ``spec.rules``; the config package imports neither): the names, where a
+    (``data.registry``, ``speculative.rules``; the config package imports neither): the names, where a
     task reads ``data.path``, and where a rule runs."""
     from megatron_bubblespec.data.registry import TASKS
-    from megatron_bubblespec.spec.rules import RULES
+    from megatron_bubblespec.speculative.rules import RULES
 
     d = cfg.data
     if d.task not in TASKS:
@@ -122,7 +122,7 @@ def check_registered(cfg: Config) -> None:
                              "data.path")
     if cfg.ablation.rule not in RULES:
         raise PreflightError(f"ablation.rule={cfg.ablation.rule!r} is not a verification rule; "
-                             f"choose one of {list(RULES)} (spec/rules.py registers them)")
+                             f"choose one of {list(RULES)} (speculative/rules.py registers them)")
     _check_rule_placement(cfg, RULES[cfg.ablation.rule])
 
 

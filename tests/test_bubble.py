@@ -13,8 +13,8 @@ from megatron_bubblespec.distributed.world import default_store
 from megatron_bubblespec.sampling.requests import RolloutRequest
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams, sample_key
-from megatron_bubblespec.spec.bubble import BubbleDrafter
-from megatron_bubblespec.spec.claims import ClaimPolicy
+from megatron_bubblespec.speculative.bubble import BubbleDrafter
+from megatron_bubblespec.speculative.claims import ClaimPolicy
 
 from conftest import OtherEngineArrives
 

@@ -100,7 +100,7 @@ def _forward_worker(path, context_parallel):
     over CP) of an odd-length batch, and the verifier's result on drafts of it."""
     from megatron_bubblespec.sampling import SamplingParams, sample_key
     from megatron_bubblespec.sampling.requests import RolloutRequest
-    from megatron_bubblespec.spec.megatron_verifier import MegatronVerifier
+    from megatron_bubblespec.speculative.megatron_verifier import MegatronVerifier
 
     spec, model = _fp32_model(path, context_parallel)
     g = torch.Generator().manual_seed(0)

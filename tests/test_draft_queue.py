@@ -4,8 +4,8 @@ drafts, and its checkpoint form."""
 import pytest
 
 from megatron_bubblespec.data.lookahead import LookaheadSampler
-from megatron_bubblespec.spec.drafts import Draft
-from megatron_bubblespec.spec.queue import DraftQueue, drafting_order
+from megatron_bubblespec.speculative.drafts import Draft
+from megatron_bubblespec.speculative.queue import DraftQueue, drafting_order
 
 
 def _queue(lookahead=1, horizon=1, steps=10, budget=4, order="engines"):
@@ -132,9 +132,9 @@ def _policy(*overrides):
     from pathlib import Path
 
     from megatron_bubblespec.config import load_config
-    from megatron_bubblespec.spec.policy import DraftingPolicy
-    from megatron_bubblespec.spec.previous_epoch import ResponseMemory
-    from megatron_bubblespec.spec.samples import SampleBook
+    from megatron_bubblespec.speculative.policy import DraftingPolicy
+    from megatron_bubblespec.speculative.previous_epoch import ResponseMemory
+    from megatron_bubblespec.speculative.samples import SampleBook
 
     cfg = load_config(Path(__file__).parents[1] / "configs" / "tiny.yaml",
                       ["rollout.prompts_per_step=4", "rollout.samples_per_prompt=2",
@@ -209,7 +209,7 @@ def test_continuation_pools_a_prompts_drafts_and_a_partial_draft_is_extended():
 
 
 def test_claims_fill_free_slots_and_pace_the_prefill():
-    from megatron_bubblespec.spec.claims import ClaimPolicy
+    from megatron_bubblespec.speculative.claims import ClaimPolicy
 
     chunks = iter([[1, 2], [3, 4], [5, 6], [7]])
 
@@ -230,7 +230,7 @@ def test_an_aborted_refresh_never_shortens_the_draft_it_agrees_with():
     old draft's counted as new); cut by the barrier while still agreeing with the old draft ->
     nothing (the old draft stays); cut after diverging -> the new, partial draft."""
     from megatron_bubblespec.sampling.requests import RolloutResult
-    from megatron_bubblespec.spec.bubble import BubbleDrafter, BubbleStats
+    from megatron_bubblespec.speculative.bubble import BubbleDrafter, BubbleStats
 
     drafter = BubbleDrafter(None, 2, None, None, None)
     old = (5, 6, 7, 8, 2)

@@ -10,8 +10,8 @@ import torch
 from megatron_bubblespec.distributed import (destroy_distributed, init_distributed,
                                              init_process_group)
 from megatron_bubblespec.distributed.launch import launch_local
-from megatron_bubblespec.spec import drafts as drafts_module
-from megatron_bubblespec.spec.drafts import (Draft, choose_route, data_parallel_gloo_twin, exchange,
+from megatron_bubblespec.speculative import drafts as drafts_module
+from megatron_bubblespec.speculative.drafts import (Draft, choose_route, data_parallel_gloo_twin, exchange,
                                              exchange_route, pack, select_drafts, unpack)
 
 DRAFTS = [Draft(1, 0, -5, 3, (1, 2, 3)), Draft(2, 7, 2**62, 3, ()),

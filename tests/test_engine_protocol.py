@@ -10,7 +10,7 @@ from megatron_bubblespec.rollout.base import RolloutEngine
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
-from megatron_bubblespec.spec.continuation import ContinuationSettings
+from megatron_bubblespec.speculative.continuation import ContinuationSettings
 
 VOCAB = 11
 

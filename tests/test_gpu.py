@@ -36,8 +36,8 @@ from megatron_bubblespec.sampling import (
     sample_key,
     uniform_noise,
 )
-from megatron_bubblespec.spec.megatron_verifier import MegatronVerifier
-from megatron_bubblespec.spec.verify import verify_keyed
+from megatron_bubblespec.speculative.megatron_verifier import MegatronVerifier
+from megatron_bubblespec.speculative.verify import verify_keyed
 from megatron_bubblespec.tokens import pad_token_rows
 from megatron_bubblespec.train import model as model_module
 from megatron_bubblespec.train.forward import megatron_forward

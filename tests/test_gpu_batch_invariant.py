@@ -45,7 +45,7 @@ def compare(batch_invariant: bool, workdir: str, dtype: str = "bfloat16") -> dic
     from megatron_bubblespec.rollout.vllm_engine import VLLMEngine
     from megatron_bubblespec.sampling import SamplingParams, sample_key
     from megatron_bubblespec.sampling.requests import RolloutRequest
-    from megatron_bubblespec.spec.verifier import InRolloutVerifier, accepted_in_rollout
+    from megatron_bubblespec.speculative.verifier import InRolloutVerifier, accepted_in_rollout
 
     checkpoint = make_tiny_checkpoint(workdir, "llama", seed=3, vocab_size=VOCAB, hidden_size=256,
                                       num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,

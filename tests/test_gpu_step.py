@@ -33,8 +33,8 @@ from megatron_bubblespec.models.architecture import load_checkpoint, perturb_che
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams, gumbel_noise, sample_key
 from megatron_bubblespec.sampling.requests import Proposals, RolloutRequest
-from megatron_bubblespec.spec.continuation import ContinuationSettings
-from megatron_bubblespec.spec.megatron_verifier import MegatronVerifier
+from megatron_bubblespec.speculative.continuation import ContinuationSettings
+from megatron_bubblespec.speculative.megatron_verifier import MegatronVerifier
 from megatron_bubblespec.tokens import pad_token_rows
 from megatron_bubblespec.train.forward import megatron_forward
 from megatron_bubblespec.train.grpo import group_advantages

@@ -14,7 +14,7 @@ FLOORS = [
     {"config", "tokens", "cache", "splitmix", "machine", "logs", "metrics", "distributed"},
     {"sampling", "models", "cpu_runtime"},  # keyed sampler, request types; HF checkpoints; preload
     {"data", "train"},                      # tasks and rewards; Megatron model, GRPO, reshard
-    {"spec"},                               # verification rules, drafts, the Megatron verifier
+    {"speculative"},                        # verification rules, drafts, the Megatron verifier
     {"rollout"},                            # engines (they verify speculative continuations)
     {"preflight"},                          # input checks above config
     {"loop"},                               # the synchronous step and the training loop

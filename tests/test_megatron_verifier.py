@@ -20,9 +20,9 @@ from megatron_bubblespec.models.architecture import (
 from megatron_bubblespec.sampling.requests import RolloutRequest
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams, sample_key
-from megatron_bubblespec.spec.megatron_verifier import MegatronVerifier
-from megatron_bubblespec.spec.validate import verifiable_draft
-from megatron_bubblespec.spec.verify import NO_TOKEN, verify_keyed
+from megatron_bubblespec.speculative.megatron_verifier import MegatronVerifier
+from megatron_bubblespec.speculative.validate import verifiable_draft
+from megatron_bubblespec.speculative.verify import NO_TOKEN, verify_keyed
 from megatron_bubblespec.train.model import build_gpt_model
 from megatron_bubblespec.train.sharding import load_hf_weights
 
@@ -139,7 +139,7 @@ def _as_tuple(v):
 
 
 def _as_verified(v):
-    """A ``Verified`` as (response prefixes, drafted, accepted)."""
+    """A ``VerifiedDrafts`` as (response prefixes, drafted, accepted)."""
     return [list(r.response_prefix) for r in v.requests], v.drafted, v.accepted
 
 

@@ -193,7 +193,7 @@ def test_continuation_counts_are_kept_per_source_and_unknown_keys_are_refused():
 # Metric keys look like "<room>/<name>" or "<room>/<name>/<part>", the room one of the registry's.
 ROOMS = "|".join(sorted({name.split("/")[0] for name in METRICS}))
 KEY_SHAPE = re.compile(rf"^({ROOMS})/[a-z_{{}}]+(/[a-z_{{}}]+)?$")
-PRODUCERS = ("loop", "spec", "train", "rollout")   # the packages that emit step metrics
+PRODUCERS = ("loop", "speculative", "train", "rollout")   # the packages that emit step metrics
 
 
 def _emitted_keys(path) -> set[str]:

@@ -11,9 +11,9 @@ from megatron_bubblespec.models.architecture import (
 from megatron_bubblespec.sampling.requests import Proposals, RolloutRequest
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.sampling import SamplingParams, keyed_sample, sample_key
-from megatron_bubblespec.spec.continuation import ContinuationSettings
-from megatron_bubblespec.spec.rules import RuleChoice
-from megatron_bubblespec.spec.pool import DraftPool
+from megatron_bubblespec.speculative.continuation import ContinuationSettings
+from megatron_bubblespec.speculative.rules import RuleChoice
+from megatron_bubblespec.speculative.pool import DraftPool
 
 pytestmark = pytest.mark.slow
 

@@ -125,8 +125,8 @@ def test_the_simulated_drafting_order_is_the_draft_queues(engines):
     """The simulator claims a step's samples in the real queue's order: round-robin over the
     engines, and with ``stragglers`` the partial drafts first, longest first."""
     from megatron_bubblespec.data.lookahead import LookaheadSampler
-    from megatron_bubblespec.spec.drafts import Draft
-    from megatron_bubblespec.spec.queue import DraftQueue
+    from megatron_bubblespec.speculative.drafts import Draft
+    from megatron_bubblespec.speculative.queue import DraftQueue
 
     batch = LookaheadSampler(0, 64, 4, dp_size=2, samples_per_prompt=2).batch(1)  # 2 x 4 samples
     drafted = np.array([[0, 3, 0, 1], [0, 0, 3, 0]])

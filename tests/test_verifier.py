@@ -22,9 +22,9 @@ from scipy.stats import binomtest, chisquare
 
 from megatron_bubblespec.sampling.requests import settle_eos
 from megatron_bubblespec.sampling import SamplingParams, keyed_sample, sample_key
-from megatron_bubblespec.spec.rules import RULES as REGISTERED
-from megatron_bubblespec.spec import (
-    Verification,
+from megatron_bubblespec.speculative.rules import RULES as REGISTERED
+from megatron_bubblespec.speculative import (
+    Verdict,
     verify_keyed,
     verify_lenient,
     verify_residual,
@@ -77,8 +77,8 @@ def plain_decode(policy, prompt, key, params, max_new, eos=EOS, start=0) -> list
     return out
 
 
-def check_invariants(res: Verification, draft: torch.Tensor, lens: torch.Tensor, eos=EOS):
-    """What any Verification must satisfy, independent of the rule."""
+def check_invariants(res: Verdict, draft: torch.Tensor, lens: torch.Tensor, eos=EOS):
+    """What any Verdict must satisfy, independent of the rule."""
     for row, n, acc, nxt, fin in zip(draft.tolist(), lens.tolist(), res.accepted.tolist(),
                                      res.next_token.tolist(), res.finished.tolist()):
         assert 0 <= acc <= n
@@ -293,7 +293,7 @@ def accept_all(target_logits, draft, draft_lens, keys, start_positions, params, 
         acc.append(a)
         nxt.append(t)
         fin.append(t == NO_TOKEN or t in eos)
-    return Verification(torch.tensor(acc), torch.tensor(nxt), torch.tensor(fin))
+    return Verdict(torch.tensor(acc), torch.tensor(nxt), torch.tensor(fin))
 
 
 def shifted_positions(target_logits, draft, draft_lens, keys, start_positions, *args):
@@ -533,7 +533,7 @@ def _keys(seed, uid):
 
 
 def _one_token_experiment(rule, **kwargs):
-    """Draft y ~ q by an independent keyed draw, verify it against p; -> (y, Verification)."""
+    """Draft y ~ q by an independent keyed draw, verify it against p; -> (y, Verdict)."""
     n, v = N_DRAWS, P.numel()
     keys, draft_keys = _keys(11, "verify"), _keys(12, "draft")
     starts = torch.full((n,), 9)
@@ -607,7 +607,7 @@ def test_only_drafted_requests_are_verified_and_in_rollout_drafts_settle_from_th
     first token a verifier would); a verifier's answer lands in its requests' places; drafts
     verified inside the rollout settle from the responses' common prefix with the draft."""
     from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
-    from megatron_bubblespec.spec.verifier import InRolloutVerifier, Verified, verify_drafts
+    from megatron_bubblespec.speculative.verifier import InRolloutVerifier, VerifiedDrafts, verify_drafts
 
     requests = [RolloutRequest(f"s0-{i}", [5, 6], i, 8, response_prefix=[9] * (i == 2))
                 for i in range(4)]
@@ -618,7 +618,7 @@ def test_only_drafted_requests_are_verified_and_in_rollout_drafts_settle_from_th
 
         def verify(self, reqs, given):
             self.seen = [r.request_id for r in reqs], given
-            return Verified(list(reqs), [len(d) for d in given], [2, 0][:len(reqs)], 0.5)
+            return VerifiedDrafts(list(reqs), [len(d) for d in given], [2, 0][:len(reqs)], 0.5)
 
     recording = Recording()
     out = verify_drafts(recording, requests, drafts)

@@ -4,7 +4,7 @@ Whatever is proposed, the tokens must equal plain keyed decoding token for token
 logprobs must stay within 1e-6 (CPU float32): true, corrupted, random, shifted and empty
 proposals, an EOS inside accepted proposals, continuation from a verified prefix, T = 1, greedy and
 T = 0.7 with top-p, and a batch where only some requests have a pool. The reference engine with
-continuation on proposes the same tokens (the same ``spec.pool.Continuation``), so it must agree
+continuation on proposes the same tokens (the same ``speculative.pool.Continuation``), so it must agree
 token for token and in its proposed / accepted counts. The same with every proposal source on
 (the prompt's text and the sample's own text besides the drafts), counted per source. Also: the
 version pin, the proposer's adaptive pause, the proposal index's sources, and that proposals
@@ -26,8 +26,8 @@ from megatron_bubblespec.rollout.reference import ReferenceEngine  # noqa: E402
 from megatron_bubblespec.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from megatron_bubblespec.sampling import SamplingParams, sample_key  # noqa: E402
 from megatron_bubblespec.sampling.requests import Proposals, RolloutRequest  # noqa: E402
-from megatron_bubblespec.spec.continuation import ContinuationSettings  # noqa: E402
-from megatron_bubblespec.spec.pool import Continuation, DraftPool, PromptIndex, Siblings  # noqa: E402
+from megatron_bubblespec.speculative.continuation import ContinuationSettings  # noqa: E402
+from megatron_bubblespec.speculative.pool import Continuation, DraftPool, PromptIndex, Siblings  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -469,7 +469,7 @@ def _drafts(responses, rng):
 @pytest.mark.parametrize("name", list(PARAMS))
 def test_drafts_verified_inside_the_rollout_equal_plain_keyed_decoding(verify_engine, plain,
                                                                        prompts, keys, name):
-    from megatron_bubblespec.spec.verifier import InRolloutVerifier, accepted_in_rollout
+    from megatron_bubblespec.speculative.verifier import InRolloutVerifier, accepted_in_rollout
 
     want = plain[name]
     drafts = _drafts([r.token_ids for r in want], random.Random(1))
@@ -491,7 +491,7 @@ def test_drafts_verified_inside_the_rollout_equal_plain_keyed_decoding(verify_en
 def test_in_rollout_verification_from_a_prefix_with_eos_and_a_malformed_draft(verify_engine,
                                                                               plain, prompts,
                                                                               keys):
-    from megatron_bubblespec.spec.verifier import InRolloutVerifier, accepted_in_rollout
+    from megatron_bubblespec.speculative.verifier import InRolloutVerifier, accepted_in_rollout
 
     want = plain["T0.7-p0.9"]
     tokens = [r.token_ids for r in want]
@@ -524,7 +524,7 @@ def test_drafts_longer_than_the_rejection_samplers_limit_are_verified_in_pieces(
     """vLLM verifies at most VLLM_MAX_SPEC_TOKENS proposed tokens per request and step: a longer
     draft is proposed that many tokens a step, with the same tokens as plain decoding."""
     from megatron_bubblespec.config.load import VLLM_MAX_SPEC_TOKENS
-    from megatron_bubblespec.spec.verifier import InRolloutVerifier, accepted_in_rollout
+    from megatron_bubblespec.speculative.verifier import InRolloutVerifier, accepted_in_rollout
 
     long_new = 2 * VLLM_MAX_SPEC_TOKENS + 40
     want = plain_engine.generate(_requests("plain-long", prompts[:2], keys, max_new=long_new),
@@ -684,8 +684,8 @@ def test_a_bubble_refreshes_complete_drafts_of_older_weights(verifying_engine, p
     with the old draft is not returned (the old draft stays, longer)."""
     import torch.distributed as dist
 
-    from megatron_bubblespec.spec.bubble import BubbleDrafter
-    from megatron_bubblespec.spec.claims import ClaimPolicy
+    from megatron_bubblespec.speculative.bubble import BubbleDrafter
+    from megatron_bubblespec.speculative.claims import ClaimPolicy
 
     from conftest import OtherEngineArrives
 

@@ -7,7 +7,7 @@ import torch.distributed as dist
 from megatron_bubblespec.distributed import destroy_distributed, init_process_group
 from megatron_bubblespec.distributed.launch import launch_local
 from megatron_bubblespec.sampling import SamplingParams, keyed_sample, sample_key
-from megatron_bubblespec.spec import verify_keyed
+from megatron_bubblespec.speculative import verify_keyed
 
 pytestmark = pytest.mark.slow   # multi-process or real-model runs: minutes on 2 cores
 

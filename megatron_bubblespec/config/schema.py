@@ -107,22 +107,22 @@ class SpecConfig:
     draft_in_flight: int = 32       # next-step samples a drafting rank keeps in its engine at once
     # new drafting requests an engine step of the bubble may take, in estimated prefill tokens (0:
     # no bound, the batch is claimed at once); bounds the engine step in flight when the barrier
-    # closes, which the step waits for (spec.bubble)
+    # closes, which the step waits for (speculative.bubble)
     draft_prefill_tokens: int = 256
-    # what a decoding sample proposes from (spec.pool, where each source is described); each is
+    # what a decoding sample proposes from (speculative.pool, where each source is described); each is
     # counted in spec/continuation_*/<source>
     proposal_sources: list[str] = field(
         default_factory=lambda: ["bubble", "realign", "prompt", "self", "siblings"])
     spec_k: int = 4
     # the cost of one proposed token, as a fraction of a decode step: each sample then proposes
-    # the 0 .. spec_k tokens that pay at its recent acceptance (spec.pool); none: always spec_k
+    # the 0 .. spec_k tokens that pay at its recent acceptance (speculative.pool); none: always spec_k
     proposal_token_cost: Optional[float] = 0.4
     min_match: int = 3
     max_match: int = 8
     barrier_timeout_s: float = field(default=600.0, metadata=OBSERVER)   # a watchdog
     draft_horizon: int = 3          # bubbles draft steps t+k .. t+k+H-1 (later ones fill the batch)
     # a bubble with every draft complete re-drafts the ones older weights made, nearest step
-    # first, its engine verifying the old draft as proposals (spec.queue; engine verifier only)
+    # first, its engine verifying the old draft as proposals (speculative.queue; engine verifier only)
     refresh_drafts: bool = True
 
 
@@ -131,15 +131,15 @@ class AblationConfig:
     """Switches that exist to reproduce the paper's ablations (``scripts/ablations/``); the main
     job runs at these values."""
 
-    # keyed (exact) | residual, lenient: other verification rules (spec.rules registers them)
+    # keyed (exact) | residual, lenient: other verification rules (speculative.rules registers them)
     rule: str = "keyed"
     lenience: float = 2.0           # the lenient rule accepts when u <= lenience * p/q (SPEC-RL)
     draft_source: str = "bubble"    # bubble (BubbleSpec) | previous_epoch (SPEC-RL-like)
     draft_lookahead: int = 1        # bubble drafts are made for step t + k (k > 1: staler drafts)
-    # which of a step's samples a bubble drafts first (spec.queue): engines (round-robin over the
+    # which of a step's samples a bubble drafts first (speculative.queue): engines (round-robin over the
     # engines that roll them out) | stragglers (partial drafts still running first, longest first)
     draft_order: str = "engines"
-    # decoding samples propose tokens from spec.proposal_sources after a divergence (spec.pool)
+    # decoding samples propose tokens from spec.proposal_sources after a divergence (speculative.pool)
     speculative_continuation: bool = True
     # vLLM keeps its prefix cache across weight updates, salted per weight version for rollouts and
     # shared by drafting requests: a bubble extends a partial draft on the KV an earlier bubble left
@@ -207,9 +207,9 @@ class Config:
     config_path: Optional[str] = None
 
 
-# What speculative continuation proposes from (``spec.pool``, where each is described).
+# What speculative continuation proposes from (``speculative.pool``, where each is described).
 PROPOSAL_SOURCES = ("bubble", "realign", "prompt", "history", "self", "siblings")
-# Which of a step's samples a bubble drafts first (``spec.queue``, where each is described).
+# Which of a step's samples a bubble drafts first (``speculative.queue``, where each is described).
 DRAFT_ORDERS = ("engines", "stragglers")
 
 CHOICES = {

@@ -31,13 +31,13 @@ from megatron_bubblespec.loop.layout import RolloutLayout, build_layout
 from megatron_bubblespec.models.architecture import ModelSpec, load_checkpoint, make_tiny_checkpoint
 from megatron_bubblespec.rollout.factory import build_engine, engine_options
 from megatron_bubblespec.sampling import SamplingParams
-from megatron_bubblespec.spec.bubble import BubbleDrafter
-from megatron_bubblespec.spec.factory import build_verifier
-from megatron_bubblespec.spec.policy import DraftingPolicy
-from megatron_bubblespec.spec.previous_epoch import ResponseMemory
-from megatron_bubblespec.spec.queue import DraftQueue
-from megatron_bubblespec.spec.samples import SampleBook
-from megatron_bubblespec.spec.verifier import Verifier
+from megatron_bubblespec.speculative.bubble import BubbleDrafter
+from megatron_bubblespec.speculative.factory import build_verifier
+from megatron_bubblespec.speculative.policy import DraftingPolicy
+from megatron_bubblespec.speculative.previous_epoch import ResponseMemory
+from megatron_bubblespec.speculative.queue import DraftQueue
+from megatron_bubblespec.speculative.samples import SampleBook
+from megatron_bubblespec.speculative.verifier import Verifier
 from megatron_bubblespec.train.model import moe_options
 
 if TYPE_CHECKING:   # annotations only: these import megatron / the engines when built

@@ -10,7 +10,7 @@ replica verifies, learns and reshards (collectives, in the training layout); the
 are split round-robin over its rollout engines (``loop.layout``), each driven by its first rank
 through the rollout and the bubble (the other ranks of a tensor-parallel engine follow it in
 lockstep); the engines' results come back to every rank of the replica for learning. What is
-drafted, verified, proposed and remembered is the replica's ``spec.policy.DraftingPolicy``.
+drafted, verified, proposed and remembered is the replica's ``speculative.policy.DraftingPolicy``.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from megatron_bubblespec.loop.replica import Replica, RunState
 from megatron_bubblespec.loop.rewarding import score_rewards
 from megatron_bubblespec.loop.step_metrics import EngineRollout, bubble_metrics, engine_metrics
 from megatron_bubblespec.sampling.requests import RolloutResult
-from megatron_bubblespec.spec.bubble import BubbleDrafter
-from megatron_bubblespec.spec.drafts import Draft, exchange
-from megatron_bubblespec.spec.policy import DraftingPolicy
-from megatron_bubblespec.spec.samples import StepPlan
-from megatron_bubblespec.spec.verifier import verify_drafts
+from megatron_bubblespec.speculative.bubble import BubbleDrafter
+from megatron_bubblespec.speculative.drafts import Draft, exchange
+from megatron_bubblespec.speculative.policy import DraftingPolicy
+from megatron_bubblespec.speculative.samples import StepPlan
+from megatron_bubblespec.speculative.verifier import verify_drafts
 from megatron_bubblespec.train.grpo import group_advantages
 from megatron_bubblespec.train.onpolicy import check_on_policy
 from megatron_bubblespec.train.batch import GRPOBatch, gather_responses

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from megatron_bubblespec.machine import peak_rss_gb
 from megatron_bubblespec.metrics import decode_steps_plain
 from megatron_bubblespec.sampling.requests import RolloutResult
-from megatron_bubblespec.spec.bubble import BubbleStats
+from megatron_bubblespec.speculative.bubble import BubbleStats
 
 
 @dataclass

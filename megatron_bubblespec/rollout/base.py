@@ -24,8 +24,8 @@ import torch
 
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
-from megatron_bubblespec.spec.continuation import ContinuationSettings
-from megatron_bubblespec.spec.rules import KEYED, RuleChoice
+from megatron_bubblespec.speculative.continuation import ContinuationSettings
+from megatron_bubblespec.speculative.rules import KEYED, RuleChoice
 
 
 class RolloutEngine(abc.ABC):
@@ -37,7 +37,7 @@ class RolloutEngine(abc.ABC):
 
     weight_version: int = 0          # the policy version held; set only by ``update_weights``
     last_engine_steps: int = 0       # engine steps (forward passes) of the last ``generate``
-    # what the engine proposes from and how much (``spec.continuation``); None: no speculation
+    # what the engine proposes from and how much (``speculative.continuation``); None: no speculation
     continuation: ContinuationSettings | None = None
 
     @property
@@ -89,9 +89,9 @@ class RolloutEngine(abc.ABC):
 
     def verify(self, requests: list[RolloutRequest], drafts: list[list[int]],
                params: SamplingParams, rule: RuleChoice = KEYED):
-        """One forward over prompt + prefix + draft per request -> ``spec.Verification``: how much
+        """One forward over prompt + prefix + draft per request -> ``speculative.Verdict``: how much
         of each draft the policy accepts under ``rule`` (``spec.verifier: engine`` before the
-        rollout, ``spec.EngineVerifier``). Engines that cannot raise NotImplementedError."""
+        rollout, ``speculative.EngineVerifier``). Engines that cannot raise NotImplementedError."""
         raise NotImplementedError(
             f"{type(self).__name__} does not verify drafts before the rollout: use "
             "spec.verifier=megatron, or spec.verifier=engine with rollout.engine=reference "

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from megatron_bubblespec.config.schema import RolloutConfig
-from megatron_bubblespec.spec.continuation import ContinuationSettings
-from megatron_bubblespec.spec.rules import rule_from_config
+from megatron_bubblespec.speculative.continuation import ContinuationSettings
+from megatron_bubblespec.speculative.rules import rule_from_config
 
 ENGINES = ("reference", "vllm")
 
@@ -53,7 +53,7 @@ def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | N
                  continuation: ContinuationSettings | None = None):
     """Start an engine of ``kind`` on the HF directory ``path``.
 
-    ``continuation`` (``spec.continuation.ContinuationSettings``; none: no speculation)
+    ``continuation`` (``speculative.continuation.ContinuationSettings``; none: no speculation)
     configures speculative continuation, vLLM's verification of requests' own drafts and its
     prefix cache kept across weight updates for drafting requests; ``kv_cache_mb``: a CPU vLLM
     engine's KV cache (none: ``rollout.kv_cache_mb``'s default); ``keep_previous_weights`` keeps the drafting policy the reference engine needs for the

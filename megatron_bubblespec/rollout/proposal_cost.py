@@ -1,6 +1,6 @@
 """An idle engine -> timed plain and all-accepted verify steps -> what one proposed token costs.
 
-Speculative continuation sizes its proposals by this cost (``spec.pool.Continuation``), as a
+Speculative continuation sizes its proposals by this cost (``speculative.pool.Continuation``), as a
 fraction of a decode step (``ablation.measure_proposal_cost``). ``rows`` random prompts are decoded
 plainly, then again with their own responses as the only proposal source, so that every engine
 step verifies ``k`` tokens per request and all are accepted: cost = (median verify step /

@@ -3,8 +3,8 @@
 Batched KV-cache decoding in float32 or float64, with the project's keyed sampler at absolute
 response positions. Each ``step`` prefills newly added requests (their first token comes from the
 prefill) and gives every running request one decode forward. With speculative continuation on, a
-running request whose proposal index (``spec.pool``) has a match proposes up to ``spec_k`` tokens,
-and the same forward verifies them with the keyed rule (``spec.verify_keyed``): rejected proposals
+running request whose proposal index (``speculative.pool``) has a match proposes up to ``spec_k`` tokens,
+and the same forward verifies them with the keyed rule (``speculative.verify_keyed``): rejected proposals
 cost nothing but the wasted columns, since the slot's length is simply not advanced past them.
 """
 
@@ -18,14 +18,14 @@ import torch
 
 from megatron_bubblespec.models.architecture import load_checkpoint
 from megatron_bubblespec.rollout.base import RolloutEngine
-from megatron_bubblespec.rollout.reference_verify import verify_drafts
+from megatron_bubblespec.rollout.reference_verify import verify_with_model
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult, settle_eos
 from megatron_bubblespec.rollout.torch_llama import TorchLlama
 from megatron_bubblespec.sampling import SamplingParams
-from megatron_bubblespec.spec.continuation import ContinuationSettings, off
-from megatron_bubblespec.spec.pool import Continuation, Siblings, has_sources
-from megatron_bubblespec.spec.rules import KEYED, RuleChoice
-from megatron_bubblespec.spec.verify import verify_keyed
+from megatron_bubblespec.speculative.continuation import ContinuationSettings, off
+from megatron_bubblespec.speculative.pool import Continuation, Siblings, has_sources
+from megatron_bubblespec.speculative.rules import KEYED, RuleChoice
+from megatron_bubblespec.speculative.verify import verify_keyed
 from megatron_bubblespec.tokens import pad_token_rows
 
 
@@ -63,7 +63,7 @@ class ReferenceEngine(RolloutEngine):
                  max_model_len: int | None = None,
                  continuation: ContinuationSettings | None = None,
                  keep_previous_weights: bool = False):
-        """``continuation``: what requests propose from (``spec.continuation``; none: nothing);
+        """``continuation``: what requests propose from (``speculative.continuation``; none: nothing);
         ``keep_previous_weights``: also hold the policy before the latest ``update_weights``
         (``previous_model``), the drafting policy that the residual and lenient rules need."""
         spec, tensors = load_checkpoint(model_path)
@@ -139,10 +139,10 @@ class ReferenceEngine(RolloutEngine):
     # ------------------------------------------------------------------ verification
     def verify(self, requests: list[RolloutRequest], drafts: list[list[int]],
                params: SamplingParams, rule: RuleChoice = KEYED):
-        """One forward over prompt + prefix + draft per request -> ``spec.Verification``
+        """One forward over prompt + prefix + draft per request -> ``speculative.Verdict``
         (``reference_verify``; rules that read the drafts' distributions need
         ``keep_previous_weights``)."""
-        return verify_drafts(self.model, self.previous_model, requests, drafts, params, rule)
+        return verify_with_model(self.model, self.previous_model, requests, drafts, params, rule)
 
     # ------------------------------------------------------------------ internals
     def _admit(self, request: RolloutRequest, params: SamplingParams) -> _Running:

@@ -1,7 +1,7 @@
-"""Requests + drafts -> one forward of the policy over prompt + prefix + draft -> a Verification.
+"""Requests + drafts -> one forward of the policy over prompt + prefix + draft -> a Verdict.
 
 The reference engine's verification before the rollout (``spec.verifier: engine``,
-``spec.EngineVerifier``), under any rule of ``spec.rules``. The keyed rule is exact and
+``speculative.EngineVerifier``), under any rule of ``speculative.rules``. The keyed rule is exact and
 token-identical to plain keyed decoding; the rules that read the drafts' distributions take them
 from the drafting policy, the weights before the latest update.
 """
@@ -13,16 +13,16 @@ import torch
 from megatron_bubblespec.rollout.torch_llama import TorchLlama
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.sampling.requests import RolloutRequest
-from megatron_bubblespec.spec.rules import KEYED, RuleChoice
-from megatron_bubblespec.spec.verify import target_probs
+from megatron_bubblespec.speculative.rules import KEYED, RuleChoice
+from megatron_bubblespec.speculative.verify import target_probs
 from megatron_bubblespec.tokens import pad_token_rows
 
 
 @torch.no_grad()
-def verify_drafts(model: TorchLlama, drafting_model: TorchLlama | None,
+def verify_with_model(model: TorchLlama, drafting_model: TorchLlama | None,
                   requests: list[RolloutRequest], drafts: list[list[int]],
                   params: SamplingParams, rule: RuleChoice = KEYED):
-    """``spec.Verification`` of ``drafts`` (response positions after each request's prefix)
+    """``speculative.Verdict`` of ``drafts`` (response positions after each request's prefix)
     under ``rule``; ``drafting_model``: the policy that drafted them (None: only rules that do
     not read the drafts' distributions)."""
     eos = [r.eos_token_ids for r in requests]   # each sample settles on its own EOS ids

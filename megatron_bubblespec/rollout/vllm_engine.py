@@ -52,8 +52,8 @@ from megatron_bubblespec.rollout.vllm_proposer import POOL_ARGS_KEY, PoolPropose
 from megatron_bubblespec.rollout.vllm_requests import LiveRequest
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult, settle_eos
-from megatron_bubblespec.spec.continuation import ContinuationSettings, off
-from megatron_bubblespec.spec.pool import has_sources
+from megatron_bubblespec.speculative.continuation import ContinuationSettings, off
+from megatron_bubblespec.speculative.pool import has_sources
 
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 CPU_SPLIT_KV_ENV = "VLLM_CPU_ATTN_SPLIT_KV"
@@ -195,12 +195,12 @@ class VLLMEngine(RolloutEngine):
     Its tokens are not the keyed draws, so drafts cannot be verified against them: it is the
     plain-vLLM baseline of the engine benchmark, not a rollout engine for training.
 
-    ``continuation`` (``spec.continuation.ContinuationSettings``; none: no speculation): with
+    ``continuation`` (``speculative.continuation.ContinuationSettings``; none: no speculation): with
     ``enabled`` requests propose up to ``k`` tokens per engine step from their ``sources``
-    (``spec.pool``: the prompt's bubble drafts, the prompt, their own text; n-grams of
+    (``speculative.pool``: the prompt's bubble drafts, the prompt, their own text; n-grams of
     ``min_match`` .. ``max_match`` tokens), verified exactly inside vLLM's spec-decode step
     (``vllm_proposer``, ``vllm_patches``); with a ``token_cost`` each request chooses how many to
-    propose from its acceptance (``spec.pool.Continuation``).
+    propose from its acceptance (``speculative.pool.Continuation``).
 
     ``verify_drafts`` (``spec.verifier: engine``): a request's own ``draft`` is proposed
     after its prefill, whole or ``VLLM_MAX_SPEC_TOKENS`` (vLLM's rejection sampler's limit)

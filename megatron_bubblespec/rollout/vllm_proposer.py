@@ -9,7 +9,7 @@ params. A request takes part when its ``extra_args[POOL_ARGS_KEY]`` holds the pr
 the proposal sources and the continuation options, or its own draft to verify (``spec.verifier:
 engine``: proposed first, up to ``VLLM_MAX_SPEC_TOKENS`` a step, so the engine verifies it in its
 own forward); the proposals and the adaptive pause are
-``spec.pool.Continuation``'s, the same object the reference engine uses, so both engines propose
+``speculative.pool.Continuation``'s, the same object the reference engine uses, so both engines propose
 the same tokens.
 
 Each row's sampled tokens settle the proposal made for it one step earlier: all but the last were
@@ -24,8 +24,8 @@ import inspect
 from dataclasses import dataclass, field
 
 from megatron_bubblespec.sampling.requests import settle_eos
-from megatron_bubblespec.spec.continuation import ContinuationSettings
-from megatron_bubblespec.spec.pool import Continuation, Siblings
+from megatron_bubblespec.speculative.continuation import ContinuationSettings
+from megatron_bubblespec.speculative.pool import Continuation, Siblings
 
 POOL_ARGS_KEY = "bubblespec_pool"
 

@@ -8,7 +8,7 @@ draw at response position ``i`` is
 (Gumbel-max, i.e. an exact draw from softmax(logits / T)); ``T = 0`` is greedy. Because the noise
 depends only on (key, position, token id), two different forwards that produce the same logits draw
 the same token: a drafter and a verifier that share a sample's key share its noise, which is what
-makes verification exact for any proposal (see ``megatron_bubblespec.spec.verify``).
+makes verification exact for any proposal (see ``megatron_bubblespec.speculative.verify``).
 
 The noise u(key, i, v)
 -----------------------

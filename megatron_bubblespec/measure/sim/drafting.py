@@ -1,7 +1,7 @@
 """Rank arrival times + the coming steps' draft lengths -> shared-cursor drafting until the last
 arrival -> drafted tokens per sample, drafting and overshoot seconds per rank.
 
-The event model of ``spec.bubble.BubbleDrafter``: a rank that reaches the barrier before the last
+The event model of ``speculative.bubble.BubbleDrafter``: a rank that reaches the barrier before the last
 one claims next-step samples from one global cursor, ``chunk`` at a time, keeping up to
 ``concurrency`` drafts in flight; its engine then runs steps of ``EngineCosts.decode_step`` with
 ``concurrency`` live sequences (each step adds one token to every draft in flight), and the chunks
@@ -14,7 +14,7 @@ draft keeps the tokens of the engine steps begun before that moment (the step in
 completes: overshoot). ``draft_ahead`` lays out a bubble's samples as the draft queue does (the
 steps of the drafting horizon, each in ``ablation.draft_order``) and keeps each step's drafts.
 
-Claims and pacing are the drafter's own rule (``spec.claims.ClaimPolicy``): with
+Claims and pacing are the drafter's own rule (``speculative.claims.ClaimPolicy``): with
 ``prefill_budget`` (``spec.draft_prefill_tokens``) a rank claims at one moment only until the
 claimed prompts reach the budget (at least one chunk), and claims again one engine step later while
 it has free slots.
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatron_bubblespec.spec.claims import ClaimPolicy
+from megatron_bubblespec.speculative.claims import ClaimPolicy
 
 if TYPE_CHECKING:   # an annotation only: the step model imports this module
     from megatron_bubblespec.measure.sim.model import Setting
@@ -71,7 +71,7 @@ def draft_in_bubble(arrive, draft_lens, engine, prompt_len: int, *, concurrency:
 
 def drafting_order(drafted: np.ndarray, engines: int, order: str) -> np.ndarray:
     """Flat indices into one step's (R, B) samples in the order a bubble claims them
-    (``spec.queue``): round-robin over the ``R x engines`` engines (engine ``e`` of a replica
+    (``speculative.queue``): round-robin over the ``R x engines`` engines (engine ``e`` of a replica
     owns its samples ``e, e + engines, ...``); with ``stragglers`` the samples with a partial
     draft first, longest first (stable)."""
     replicas, samples = drafted.shape

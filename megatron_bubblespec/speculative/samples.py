@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Mapping
 
 from megatron_bubblespec.sampling import sample_key
 from megatron_bubblespec.sampling.requests import RolloutRequest
-from megatron_bubblespec.spec.drafts import Draft
+from megatron_bubblespec.speculative.drafts import Draft
 
 if TYPE_CHECKING:   # annotations only
     from megatron_bubblespec.data.lookahead import LookaheadSampler, StepBatch

@@ -48,7 +48,7 @@ NO_TOKEN = -1
 
 
 @dataclass
-class Verification:
+class Verdict:
     """Per sample: how many draft tokens to keep, the token after them, whether the response ended.
 
     The verified continuation is ``draft[:accepted] + [next_token]`` (``next_token`` is -1 when an
@@ -96,9 +96,9 @@ def _eos_rows(eos_token_ids, rows: int) -> list[frozenset[int]]:
 
 
 def _settle(accept: torch.Tensor, replacement: torch.Tensor, draft: torch.Tensor,
-            draft_lens: torch.Tensor, eos_token_ids) -> Verification:
+            draft_lens: torch.Tensor, eos_token_ids) -> Verdict:
     """accept [B, L] (draft token j kept if reached), replacement [B, L+1] (token emitted when the
-    first rejection is at j, or the bonus at j = len) -> Verification, each sample's response ended
+    first rejection is at j, or the bonus at j = len) -> Verdict, each sample's response ended
     at its own first EOS (``sampling.requests.settle_eos``)."""
     b, width = draft.shape
     j = torch.arange(width, device=draft.device).expand(b, width)
@@ -111,14 +111,14 @@ def _settle(accept: torch.Tensor, replacement: torch.Tensor, draft: torch.Tensor
         kept, ended = settle_eos(row[:n] + [token], eos)
         settled.append((min(kept, n), token if kept > n else NO_TOKEN, ended))
     columns = torch.tensor(settled, dtype=torch.int64, device=draft.device).reshape(b, 3)
-    return Verification(accepted=columns[:, 0].clone(), next_token=columns[:, 1].clone(),
+    return Verdict(accepted=columns[:, 0].clone(), next_token=columns[:, 1].clone(),
                         finished=columns[:, 2].bool())
 
 
 def verify_keyed(target_logits: torch.Tensor, draft: torch.Tensor, draft_lens: torch.Tensor,
                  keys: torch.Tensor, start_positions: torch.Tensor, params: SamplingParams,
                  eos_token_ids: Iterable = (), *, vocab_offset: int = 0,
-                 vocab_size: int | None = None, group=None) -> Verification:
+                 vocab_size: int | None = None, group=None) -> Verdict:
     """Exact verification by shared keyed noise; ``group`` = TP group when the vocab is sharded."""
     _check_shapes(target_logits, draft, draft_lens)
     b, width1, vocab = target_logits.shape
@@ -186,7 +186,7 @@ def _ratio_test(target_logits, draft_probs, draft, draft_lens, keys, start_posit
 
 def verify_residual(target_logits, draft_probs, draft, draft_lens, keys, start_positions,
                     params: SamplingParams, eos_token_ids: Iterable = (),
-                    vocab_size: int | None = None) -> Verification:
+                    vocab_size: int | None = None) -> Verdict:
     """Exact standard speculative sampling (needs q = ``draft_probs`` [B, L, V]); ablation only."""
     p, q, ratio, u, bonus = _ratio_test(target_logits, draft_probs, draft, draft_lens, keys,
                                         start_positions, params, vocab_size)
@@ -205,7 +205,7 @@ def verify_residual(target_logits, draft_probs, draft, draft_lens, keys, start_p
 
 def verify_lenient(target_logits, draft_probs, draft, draft_lens, keys, start_positions,
                    params: SamplingParams, eos_token_ids: Iterable = (),
-                   lenience: float = 1.0, vocab_size: int | None = None) -> Verification:
+                   lenience: float = 1.0, vocab_size: int | None = None) -> Verdict:
     """SPEC-RL's lenient rule (INEXACT for lenience > 1, and never exact: it redraws from p rather
     than from the residual); ablation only."""
     if lenience < 1.0:

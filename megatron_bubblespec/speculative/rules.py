@@ -9,7 +9,7 @@ engine and in the Megatron verifier. Every other rule runs in the reference engi
 (``rollout.engine=reference``, ``spec.verifier=engine``), which keeps the drafting policy's weights
 for the rules that read its distributions.
 
-Adding a rule: a function with ``settle``'s signature (``spec.verify`` holds the shared settlement
+Adding a rule: a function with ``settle``'s signature (``speculative.verify`` holds the shared settlement
 step) and one ``register(Rule(...))`` below; a parameter is an ``ablation`` key of the same name.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from megatron_bubblespec.spec.verify import (Verification, verify_keyed, verify_lenient,
+from megatron_bubblespec.speculative.verify import (Verdict, verify_keyed, verify_lenient,
                                              verify_residual)
 
 EVERYWHERE = ("vllm", "reference", "megatron")   # the keyed rule's verifiers
@@ -28,10 +28,10 @@ REFERENCE_ONLY = ("reference",)
 @dataclass(frozen=True)
 class Rule:
     """A verification rule: ``settle(target_logits, draft_probs, draft, draft_lens, keys,
-    start_positions, params, eos_token_ids, **parameters) -> Verification``."""
+    start_positions, params, eos_token_ids, **parameters) -> Verdict``."""
 
     name: str
-    settle: Callable[..., Verification]
+    settle: Callable[..., Verdict]
     exact: bool                       # the verified tokens are plain keyed decoding's
     reads_draft_probs: bool           # needs the drafting policy's distributions (draft_probs)
     parameters: tuple[str, ...] = ()  # ablation.<name> keys it takes
@@ -64,7 +64,7 @@ class RuleChoice:
         return RULES[self.name]
 
     def settle(self, target_logits, draft_probs, draft, draft_lens, keys, start_positions, params,
-               eos_token_ids=()) -> Verification:
+               eos_token_ids=()) -> Verdict:
         return self.rule.settle(target_logits, draft_probs, draft, draft_lens, keys,
                                 start_positions, params, eos_token_ids, **dict(self.parameters))
 
@@ -79,7 +79,7 @@ def rule_from_config(cfg) -> RuleChoice:
 
 
 def _keyed(target_logits, draft_probs, draft, draft_lens, keys, start_positions, params,
-           eos_token_ids=()) -> Verification:
+           eos_token_ids=()) -> Verdict:
     return verify_keyed(target_logits, draft, draft_lens, keys, start_positions, params,
                         eos_token_ids)
 

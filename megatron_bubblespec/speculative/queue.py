@@ -28,7 +28,7 @@ from itertools import zip_longest
 from typing import Iterable, Sequence
 
 from megatron_bubblespec.config.schema import DRAFT_ORDERS
-from megatron_bubblespec.spec.drafts import Draft, select_drafts
+from megatron_bubblespec.speculative.drafts import Draft, select_drafts
 
 SampleId = tuple[int, int]   # (step, global sample index within the step)
 

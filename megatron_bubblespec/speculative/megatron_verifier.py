@@ -2,7 +2,7 @@
 
 Step 1 of the synchronous step ("verify"), run on the training ranks that already hold θ_t:
 
-1. every draft is checked (``spec.validate.verifiable_draft``): token ids outside [0, vocab_size)
+1. every draft is checked (``speculative.validate.verifiable_draft``): token ids outside [0, vocab_size)
    drop the whole draft, a draft longer than the response budget left (``max_new_tokens -
    len(response_prefix)``) is cut to it; both with a warning naming the request, never an
    exception and never a changed token (a dropped draft is an empty one: one plain keyed draw);
@@ -11,13 +11,13 @@ Step 1 of the synchronous step ("verify"), run on the training ranks that alread
    computes logits only at the L + 1 positions of each draft;
 3. on the last pipeline stage, per micro-batch, the L+1 logits rows starting at the last prefix
    position (they predict response positions ``len(prefix) ... len(prefix) + L``) go to
-   ``spec.verify.verify_keyed`` in its vocab-parallel form: each TP rank holds the global ids
+   ``speculative.verify.verify_keyed`` in its vocab-parallel form: each TP rank holds the global ids
    ``[tp_rank * V_local, (tp_rank + 1) * V_local)``, Megatron's vocabulary padding (ids >=
    ``spec.vocab_size``) is excluded, and the draw is settled by an all-reduce MAX then MIN over
    the TP group (NCCL on GPU, gloo on CPU);
 4. EOS is settled per request (each request's own ``eos_token_ids``, inside ``verify_keyed``), and
    (accepted, next_token, finished) are broadcast from the last pipeline stage to every stage, so all ranks of the model
-   replica return the same ``Verification``.
+   replica return the same ``Verdict``.
 
 All ranks of one model replica (its TP x PP ranks) must call ``verify`` with the same requests,
 drafts and parameters; different data-parallel replicas verify different requests independently.
@@ -35,9 +35,9 @@ import torch
 from megatron_bubblespec.distributed.world import expert_parallel_size
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.sampling.requests import RolloutRequest
-from megatron_bubblespec.spec.validate import request_draft
-from megatron_bubblespec.spec.verifier import Verified, verified
-from megatron_bubblespec.spec.verify import Verification, verify_keyed
+from megatron_bubblespec.speculative.validate import request_draft
+from megatron_bubblespec.speculative.verifier import VerifiedDrafts
+from megatron_bubblespec.speculative.verify import Verdict, verify_keyed
 from megatron_bubblespec.tokens import pad_token_rows
 from megatron_bubblespec.train.forward import broadcast_from_last_stage, megatron_forward
 
@@ -46,7 +46,7 @@ PAD_ID = 0
 
 class MegatronVerifier:
     """Exact keyed verification of drafts by the Megatron model of this rank's replica (a
-    ``spec.verifier.Verifier``).
+    ``speculative.verifier.Verifier``).
 
     ``model`` is this rank's GPTModel piece (any TP/PP; wrapped modules work), ``spec`` its
     ``ModelSpec`` (``spec.vocab_size`` is the real vocabulary, without Megatron's padding),
@@ -68,16 +68,16 @@ class MegatronVerifier:
         self.every_step = expert_parallel_size() > 1
 
     def verify(self, requests: Sequence[RolloutRequest],
-               drafts: Sequence[Sequence[int]]) -> Verified:
+               drafts: Sequence[Sequence[int]]) -> VerifiedDrafts:
         """The requests the engine continues from, with the verified tokens as their prefix."""
         start = time.perf_counter()
         drafts = [list(d) for d in drafts]
-        return verified(requests, drafts, self.verification(requests, drafts), start)
+        return VerifiedDrafts.of(requests, drafts, self.verification(requests, drafts), start)
 
     def verification(self, requests: Sequence[RolloutRequest],
-                     drafts: Sequence[Sequence[int]]) -> Verification:
+                     drafts: Sequence[Sequence[int]]) -> Verdict:
         """One forward over prompt + prefix + draft per request -> the keyed rule's
-        ``Verification`` (CPU int64 tensors, identical on every rank of the replica)."""
+        ``Verdict`` (CPU int64 tensors, identical on every rank of the replica)."""
         requests, n = list(requests), len(requests)
         if n != len(drafts):
             raise ValueError(f"{n} requests but {len(drafts)} drafts; pass one draft "
@@ -87,7 +87,7 @@ class MegatronVerifier:
                 megatron_forward(self.model, torch.zeros(0, 1, dtype=torch.int64),
                                  lambda logits, rows: None, self.micro_batch_size)
             empty = torch.zeros(0, dtype=torch.int64)
-            return Verification(empty, empty.clone(), torch.zeros(0, dtype=torch.bool))
+            return Verdict(empty, empty.clone(), torch.zeros(0, dtype=torch.bool))
         batch = _Batch(requests, [request_draft(r, d, self.spec.vocab_size)
                                   for r, d in zip(requests, drafts)])
         mbs = min(self.micro_batch_size or n, n)
@@ -100,7 +100,7 @@ class MegatronVerifier:
             columns = [sum((list(mb[k]) for mb in per_mb), []) for k in range(3)]
             packed = torch.tensor(columns, dtype=torch.int64, device=device)
         packed = broadcast_from_last_stage(packed, (3, n), device, torch.int64).cpu()
-        return Verification(accepted=packed[0].clone(), next_token=packed[1].clone(),
+        return Verdict(accepted=packed[0].clone(), next_token=packed[1].clone(),
                             finished=packed[2].bool())
 
     # ------------------------------------------------------------------ internals

@@ -3,7 +3,7 @@ coming steps' samples (claimed in chunks from a shared cursor) one engine step a
 when all engines arrived.
 
 Every rollout engine (``loop.layout``; one per DP rank in a DP-only layout) arrives once, through
-its first rank. A drafting engine claims samples as ``spec.claims.ClaimPolicy`` decides (a full
+its first rank. A drafting engine claims samples as ``speculative.claims.ClaimPolicy`` decides (a full
 decode batch in flight, refilled from the cursor as drafts finish; the prefill per engine step
 paced by a budget) and stops within one engine step of the barrier's close whatever the batch.
 The prefill estimate of a claimed request is prompt + prefix, less the tokens this engine itself
@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
-from megatron_bubblespec.spec.claims import ClaimPolicy
-from megatron_bubblespec.spec.drafts import Draft
-from megatron_bubblespec.spec.queue import SampleId
+from megatron_bubblespec.speculative.claims import ClaimPolicy
+from megatron_bubblespec.speculative.drafts import Draft
+from megatron_bubblespec.speculative.queue import SampleId
 
 if TYPE_CHECKING:   # an annotation only: spec sits below rollout
     from megatron_bubblespec.rollout.base import RolloutEngine
@@ -70,7 +70,7 @@ class BubbleDrafter:
         """Arrive at step ``step``'s barrier; draft ``samples`` until it closes.
 
         ``samples`` lists the (step, global sample index) pairs to draft, in the order the shared
-        cursor hands them out (``spec.queue.DraftQueue.left_to_draft``); ``next_request(sample)``
+        cursor hands them out (``speculative.queue.DraftQueue.left_to_draft``); ``next_request(sample)``
         builds a sample's drafting request (its key and prompt, ``max_new_tokens`` = the draft
         budget). An empty list or no ``next_request`` is a plain barrier.
         """

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Sequence
 
 from megatron_bubblespec.sampling.requests import (Proposals, RolloutRequest, RolloutResult,
                                                    settle_eos)
-from megatron_bubblespec.spec.claims import ClaimPolicy
-from megatron_bubblespec.spec.drafts import Draft
-from megatron_bubblespec.spec.previous_epoch import ResponseMemory
-from megatron_bubblespec.spec.queue import DraftQueue, SampleId
-from megatron_bubblespec.spec.samples import SampleBook, StepPlan
+from megatron_bubblespec.speculative.claims import ClaimPolicy
+from megatron_bubblespec.speculative.drafts import Draft
+from megatron_bubblespec.speculative.previous_epoch import ResponseMemory
+from megatron_bubblespec.speculative.queue import DraftQueue, SampleId
+from megatron_bubblespec.speculative.samples import SampleBook, StepPlan
 
 if TYPE_CHECKING:   # an annotation only
     from megatron_bubblespec.config import Config

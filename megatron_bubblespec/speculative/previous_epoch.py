@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch.distributed as dist
 
-from megatron_bubblespec.spec.drafts import Draft
+from megatron_bubblespec.speculative.drafts import Draft
 
 if TYPE_CHECKING:   # an annotation only
-    from megatron_bubblespec.spec.samples import Sample
+    from megatron_bubblespec.speculative.samples import Sample
 
 
 class ResponseMemory:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_bubblespec.spec.validate import verifiable_draft
+from megatron_bubblespec.speculative.validate import verifiable_draft
 
 HEADER = 5
 
@@ -144,7 +144,7 @@ def select_drafts(drafts: list[Draft], expected_keys: dict[tuple[int, int], int]
 
     Drafts for unknown samples, with a key that is not the sample's, or with token ids outside
     the vocabulary are dropped with a warning; drafts longer than ``max_tokens`` are truncated
-    (``spec.validate.verifiable_draft``).
+    (``speculative.validate.verifiable_draft``).
     """
     kept: dict[tuple[int, int], Draft] = {}
     for d in drafts:

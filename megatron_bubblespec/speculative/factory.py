@@ -1,15 +1,15 @@
 """Config -> the run's verifier (Megatron's, the engine's before the rollout, or inside it).
 
-Apart from ``spec.verifier`` so that the verifiers' module and the Megatron verifier, which
-returns its ``Verified``, do not import each other.
+Apart from ``speculative.verifier`` so that the verifiers' module and the Megatron verifier, which
+returns its ``VerifiedDrafts``, do not import each other.
 """
 
 from __future__ import annotations
 
 from megatron_bubblespec.sampling import SamplingParams
-from megatron_bubblespec.spec.megatron_verifier import MegatronVerifier
-from megatron_bubblespec.spec.rules import rule_from_config
-from megatron_bubblespec.spec.verifier import EngineVerifier, InRolloutVerifier, Verifier
+from megatron_bubblespec.speculative.megatron_verifier import MegatronVerifier
+from megatron_bubblespec.speculative.rules import rule_from_config
+from megatron_bubblespec.speculative.verifier import EngineVerifier, InRolloutVerifier, Verifier
 
 
 def build_verifier(cfg, params: SamplingParams, *, model=None, spec=None,
