@@ -93,22 +93,23 @@ class PoolProposer:
             return state
         cached = self.runner.requests.get(request_id)
         params = cached.sampling_params if cached is not None else None
-        spec = (params.extra_args or {}).get(POOL_ARGS_KEY) if params is not None else None
-        if not spec:
+        pool_args = (params.extra_args or {}).get(POOL_ARGS_KEY) if params is not None else None
+        if not pool_args:
             return None
-        prompt = cached.prompt_token_ids[:spec["prompt_len"]]   # vLLM's prompt holds the prefix too
-        settings = (spec["min_match"], spec["max_match"], tuple(spec["sources"]))
+        # vLLM's prompt holds the response prefix too
+        prompt = cached.prompt_token_ids[:pool_args["prompt_len"]]
+        settings = (pool_args["min_match"], pool_args["max_match"], tuple(pool_args["sources"]))
         if settings not in self.siblings:
             self.siblings[settings] = Siblings(*settings)
         siblings = self.siblings[settings]
-        pool = siblings.pool(request_id, prompt, spec["drafts"], spec.get("history", ()),
-                             spec.get("own_draft"))
-        draft = spec.get("draft") or ()
+        pool = siblings.pool(request_id, prompt, pool_args["drafts"], pool_args.get("history", ()),
+                             pool_args.get("own_draft"))
+        draft = pool_args.get("draft") or ()
         if not pool and not draft:
             siblings.leave(request_id)
             return None
-        state = _Request(Continuation(pool, spec["k"], draft, spec.get("draft_k"),
-                                      token_cost=spec.get("token_cost")),
+        state = _Request(Continuation(pool, pool_args["k"], draft, pool_args.get("draft_k"),
+                                      token_cost=pool_args.get("token_cost")),
                          frozenset(params.stop_token_ids or ()), len(prompt), siblings)
         self.requests[request_id] = state
         return state
