@@ -257,7 +257,8 @@ class VLLMEngine(RolloutEngine):
             from megatron_bubblespec.rollout import vllm_cpu_rows, vllm_moe_reload
 
             vllm_moe_reload.install()   # weight updates of CPU MoE layers repack the experts
-            vllm_cpu_rows.install()     # a one-row engine step rounds as a step of many rows
+            if keyed:   # a one-row engine step rounds as a step of many rows (plain vLLM: as is)
+                vllm_cpu_rows.install()
         self.llm = LLM(**{**kwargs, **llm_kwargs})
         self._engine = self.llm.llm_engine
         self.max_model_len = self._engine.model_config.max_model_len
