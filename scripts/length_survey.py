@@ -108,7 +108,7 @@ def text_summary(pairs, entropies: np.ndarray, tokenizer) -> dict:
             "entropy_p80": float(np.quantile(entropies, 0.8)),
             "entropy_under_0.01": float((entropies < 0.01).mean()),
             "long_recurring_8grams": float(np.mean([recurring_share(r) for _, r in longest])),
-            "long_texts": [tokenizer.decode(r) for _, r in by_length[:TEXTS]]}
+            "long_texts": [tokenizer.tokenizer.decode(r) for _, r in by_length[:TEXTS]]}
 
 
 def bubble(lengths: np.ndarray, ranks: int, groups: int, deals: int, seed: int) -> float:
@@ -209,7 +209,7 @@ def main() -> None:
     tokenizer = load_tokenizer()
     engine = VLLMEngine(smollm2_checkpoint(), max_model_len=args.max_new_tokens + 512,
                         seed=args.seed, kv_cache_memory_bytes=int(args.kv_cache_gb * 1e9))
-    model = AutoModelForCausalLM.from_pretrained(smollm2_checkpoint(), torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_checkpoint(), dtype=torch.float32)
     rows = []
     args.out.mkdir(parents=True, exist_ok=True)
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "candidates")}
