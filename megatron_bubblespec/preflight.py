@@ -102,8 +102,8 @@ def preflight(cfg: Config) -> PreflightReport:
 
 def check_registered(cfg: Config) -> None:
     """The task and the verification rule the config names, against their registries
-    (``data.registry``, ``speculative.rules``; the config package imports neither): the names, where a
-    task reads ``data.path``, and where a rule runs."""
+    (``data.registry``, ``speculative.rules``; the config package imports neither): the names, where
+    a task reads ``data.path``, and where a rule runs."""
     from megatron_bubblespec.data.registry import TASKS
     from megatron_bubblespec.speculative.rules import RULES
 

@@ -63,8 +63,8 @@ def test_errors_name_the_key(overrides, fragment):
     (["data.task=cobol"], "data.task='cobol' is not a task; choose one of"),
 ])
 def test_names_are_checked_against_the_registries(overrides, fragment):
-    """Tasks and rules are registered where their code is (data.registry, speculative.rules), above the
-    config package, so preflight checks the names and their placement."""
+    """Tasks and rules are registered where their code is (data.registry, speculative.rules), above
+    the config package, so preflight checks the names and their placement."""
     from megatron_bubblespec.preflight import check_registered
 
     cfg = load_config(None, overrides)

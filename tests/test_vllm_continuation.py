@@ -4,11 +4,11 @@ Whatever is proposed, the tokens must equal plain keyed decoding token for token
 logprobs must stay within 1e-6 (CPU float32): true, corrupted, random, shifted and empty
 proposals, an EOS inside accepted proposals, continuation from a verified prefix, T = 1, greedy and
 T = 0.7 with top-p, and a batch where only some requests have a pool. The reference engine with
-continuation on proposes the same tokens (the same ``speculative.pool.Continuation``), so it must agree
-token for token and in its proposed / accepted counts. The same with every proposal source on
+continuation on proposes the same tokens (the same ``speculative.pool.Continuation``), so it must
+agree token for token and in its proposed / accepted counts. The same with every proposal source on
 (the prompt's text and the sample's own text besides the drafts), counted per source. Also: the
-version pin, the proposer's adaptive pause, the proposal index's sources, and that proposals
-really do save engine steps (else the test would be vacuous).
+version pin, the proposer's adaptive pause, the proposal index's sources, and that proposals really
+do save engine steps (else the test would be vacuous).
 
 One plain and one continuation engine per module on a tiny random Llama (vocab 256, head_dim 32).
 """

@@ -109,20 +109,22 @@ class SpecConfig:
     # no bound, the batch is claimed at once); bounds the engine step in flight when the barrier
     # closes, which the step waits for (speculative.bubble)
     draft_prefill_tokens: int = 256
-    # what a decoding sample proposes from (speculative.pool, where each source is described); each is
-    # counted in spec/continuation_*/<source>
+    # what a decoding sample proposes from (speculative.pool, where each source is described); each
+    # is counted in spec/continuation_*/<source>
     proposal_sources: list[str] = field(
         default_factory=lambda: ["bubble", "realign", "prompt", "self", "siblings"])
     spec_k: int = 4
     # the cost of one proposed token, as a fraction of a decode step: each sample then proposes
-    # the 0 .. spec_k tokens that pay at its recent acceptance (speculative.pool); none: always spec_k
+    # the 0 .. spec_k tokens that pay at its recent acceptance (speculative.pool); none: always
+    # spec_k
     proposal_token_cost: Optional[float] = 0.4
     min_match: int = 3
     max_match: int = 8
     barrier_timeout_s: float = field(default=600.0, metadata=OBSERVER)   # a watchdog
     draft_horizon: int = 3          # bubbles draft steps t+k .. t+k+H-1 (later ones fill the batch)
     # a bubble with every draft complete re-drafts the ones older weights made, nearest step
-    # first, its engine verifying the old draft as proposals (speculative.queue; engine verifier only)
+    # first, its engine verifying the old draft as proposals (speculative.queue; engine verifier
+    # only)
     refresh_drafts: bool = True
 
 
@@ -136,10 +138,12 @@ class AblationConfig:
     lenience: float = 2.0           # the lenient rule accepts when u <= lenience * p/q (SPEC-RL)
     draft_source: str = "bubble"    # bubble (BubbleSpec) | previous_epoch (SPEC-RL-like)
     draft_lookahead: int = 1        # bubble drafts are made for step t + k (k > 1: staler drafts)
-    # which of a step's samples a bubble drafts first (speculative.queue): engines (round-robin over the
-    # engines that roll them out) | stragglers (partial drafts still running first, longest first)
+    # which of a step's samples a bubble drafts first (speculative.queue): engines (round-robin over
+    # the engines that roll them out) | stragglers (partial drafts still running first, longest
+    # first)
     draft_order: str = "engines"
-    # decoding samples propose tokens from spec.proposal_sources after a divergence (speculative.pool)
+    # decoding samples propose tokens from spec.proposal_sources after a divergence
+    # (speculative.pool)
     speculative_continuation: bool = True
     # vLLM keeps its prefix cache across weight updates, salted per weight version for rollouts and
     # shared by drafting requests: a bubble extends a partial draft on the KV an earlier bubble left

@@ -1,9 +1,9 @@
 """Metric declarations: name -> (reduction over engines, run-level value, format, label, header).
 
-Every key of a step record is declared here once. The producers (``loop.step``, ``speculative.bubble``,
-the trainer) emit the names as strings; step aggregation (``metrics.aggregate``), the progress
-line, the end-of-run summary and the bench tables read how to reduce, format and label each one
-from this table.
+Every key of a step record is declared here once. The producers (``loop.step``,
+``speculative.bubble``, the trainer) emit the names as strings; step aggregation
+(``metrics.aggregate``), the progress line, the end-of-run summary and the bench tables read how to
+reduce, format and label each one from this table.
 
 Reductions over the rollout engines of one step (``reduce``):
 

@@ -37,7 +37,8 @@ class RolloutEngine(abc.ABC):
 
     weight_version: int = 0          # the policy version held; set only by ``update_weights``
     last_engine_steps: int = 0       # engine steps (forward passes) of the last ``generate``
-    # what the engine proposes from and how much (``speculative.continuation``); None: no speculation
+    # what the engine proposes from and how much (``speculative.continuation``); None: no
+    # speculation
     continuation: ContinuationSettings | None = None
 
     @property

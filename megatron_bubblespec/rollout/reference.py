@@ -3,9 +3,10 @@
 Batched KV-cache decoding in float32 or float64, with the project's keyed sampler at absolute
 response positions. Each ``step`` prefills newly added requests (their first token comes from the
 prefill) and gives every running request one decode forward. With speculative continuation on, a
-running request whose proposal index (``speculative.pool``) has a match proposes up to ``spec_k`` tokens,
-and the same forward verifies them with the keyed rule (``speculative.verify_keyed``): rejected proposals
-cost nothing but the wasted columns, since the slot's length is simply not advanced past them.
+running request whose proposal index (``speculative.pool``) has a match proposes up to ``spec_k``
+tokens, and the same forward verifies them with the keyed rule (``speculative.verify_keyed``):
+rejected proposals cost nothing but the wasted columns, since the slot's length is simply not
+advanced past them.
 """
 
 from __future__ import annotations
@@ -63,9 +64,10 @@ class ReferenceEngine(RolloutEngine):
                  max_model_len: int | None = None,
                  continuation: ContinuationSettings | None = None,
                  keep_previous_weights: bool = False):
-        """``continuation``: what requests propose from (``speculative.continuation``; none: nothing);
-        ``keep_previous_weights``: also hold the policy before the latest ``update_weights``
-        (``previous_model``), the drafting policy that the residual and lenient rules need."""
+        """``continuation``: what requests propose from (``speculative.continuation``; none:
+        nothing); ``keep_previous_weights``: also hold the policy before the latest
+        ``update_weights`` (``previous_model``), the drafting policy that the residual and lenient
+        rules need."""
         spec, tensors = load_checkpoint(model_path)
         self.model = TorchLlama(spec, tensors, dtype=dtype, max_model_len=max_model_len)
         self.previous_model = (TorchLlama(spec, tensors, dtype=dtype, max_model_len=max_model_len)

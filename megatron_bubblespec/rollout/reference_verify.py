@@ -1,8 +1,8 @@
 """Requests + drafts -> one forward of the policy over prompt + prefix + draft -> a Verdict.
 
 The reference engine's verification before the rollout (``spec.verifier: engine``,
-``speculative.EngineVerifier``), under any rule of ``speculative.rules``. The keyed rule is exact and
-token-identical to plain keyed decoding; the rules that read the drafts' distributions take them
+``speculative.EngineVerifier``), under any rule of ``speculative.rules``. The keyed rule is exact
+and token-identical to plain keyed decoding; the rules that read the drafts' distributions take them
 from the drafting policy, the weights before the latest update.
 """
 

@@ -9,8 +9,8 @@ params. A request takes part when its ``extra_args[POOL_ARGS_KEY]`` holds the pr
 the proposal sources and the continuation options, or its own draft to verify (``spec.verifier:
 engine``: proposed first, up to ``VLLM_MAX_SPEC_TOKENS`` a step, so the engine verifies it in its
 own forward); the proposals and the adaptive pause are
-``speculative.pool.Continuation``'s, the same object the reference engine uses, so both engines propose
-the same tokens.
+``speculative.pool.Continuation``'s, the same object the reference engine uses, so both engines
+propose the same tokens.
 
 Each row's sampled tokens settle the proposal made for it one step earlier: all but the last were
 accepted (vLLM's greedy rejection sampler, run on the keyed tokens, see ``vllm_patches``), counted

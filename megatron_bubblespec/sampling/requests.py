@@ -29,8 +29,9 @@ def settle_eos(tokens: Sequence[int], eos_token_ids: Collection[int]) -> tuple[i
 
 @dataclass
 class Proposals:
-    """What a decoding sample may propose from (``speculative.pool``): its prompt's drafts, the place of
-    its own draft among them, and its prompt's responses from the last time it was rolled out."""
+    """What a decoding sample may propose from (``speculative.pool``): its prompt's drafts, the
+    place of its own draft among them, and its prompt's responses from the last time it was rolled
+    out."""
 
     drafts: list[list[int]] = field(default_factory=list)
     own: int | None = None

@@ -3,10 +3,10 @@ coming steps' samples (claimed in chunks from a shared cursor) one engine step a
 when all engines arrived.
 
 Every rollout engine (``loop.layout``; one per DP rank in a DP-only layout) arrives once, through
-its first rank. A drafting engine claims samples as ``speculative.claims.ClaimPolicy`` decides (a full
-decode batch in flight, refilled from the cursor as drafts finish; the prefill per engine step
-paced by a budget) and stops within one engine step of the barrier's close whatever the batch.
-The prefill estimate of a claimed request is prompt + prefix, less the tokens this engine itself
+its first rank. A drafting engine claims samples as ``speculative.claims.ClaimPolicy`` decides (a
+full decode batch in flight, refilled from the cursor as drafts finish; the prefill per engine step
+paced by a budget) and stops within one engine step of the barrier's close whatever the batch. The
+prefill estimate of a claimed request is prompt + prefix, less the tokens this engine itself
 computed for the sample in an earlier bubble (their KV is likely still cached:
 ``ablation.reuse_draft_kv``).
 
@@ -70,9 +70,10 @@ class BubbleDrafter:
         """Arrive at step ``step``'s barrier; draft ``samples`` until it closes.
 
         ``samples`` lists the (step, global sample index) pairs to draft, in the order the shared
-        cursor hands them out (``speculative.queue.DraftQueue.left_to_draft``); ``next_request(sample)``
-        builds a sample's drafting request (its key and prompt, ``max_new_tokens`` = the draft
-        budget). An empty list or no ``next_request`` is a plain barrier.
+        cursor hands them out (``speculative.queue.DraftQueue.left_to_draft``);
+        ``next_request(sample)`` builds a sample's drafting request (its key and prompt,
+        ``max_new_tokens`` = the draft budget). An empty list or no ``next_request`` is a plain
+        barrier.
         """
         stats, drafts = BubbleStats(), []
         arrive, closed = self._key("arrive", step), self._key("closed", step)

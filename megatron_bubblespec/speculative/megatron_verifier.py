@@ -2,7 +2,8 @@
 
 Step 1 of the synchronous step ("verify"), run on the training ranks that already hold θ_t:
 
-1. every draft is checked (``speculative.validate.verifiable_draft``): token ids outside [0, vocab_size)
+1. every draft is checked (``speculative.validate.verifiable_draft``): token ids outside [0,
+vocab_size)
    drop the whole draft, a draft longer than the response budget left (``max_new_tokens -
    len(response_prefix)``) is cut to it; both with a warning naming the request, never an
    exception and never a changed token (a dropped draft is an empty one: one plain keyed draw);

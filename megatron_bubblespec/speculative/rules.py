@@ -9,8 +9,9 @@ engine and in the Megatron verifier. Every other rule runs in the reference engi
 (``rollout.engine=reference``, ``spec.verifier=engine``), which keeps the drafting policy's weights
 for the rules that read its distributions.
 
-Adding a rule: a function with ``settle``'s signature (``speculative.verify`` holds the shared settlement
-step) and one ``register(Rule(...))`` below; a parameter is an ``ablation`` key of the same name.
+Adding a rule: a function with ``settle``'s signature (``speculative.verify`` holds the shared
+settlement step) and one ``register(Rule(...))`` below; a parameter is an ``ablation`` key of the
+same name.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
-"""Verifiers: (requests, drafts) -> ``VerifiedDrafts``: the requests the engine continues from, drafted
-and accepted tokens, seconds.
+"""Verifiers: (requests, drafts) -> ``VerifiedDrafts``: the requests the engine continues from,
+drafted and accepted tokens, seconds.
 
 One interface and one result, chosen once by ``speculative.factory.build_verifier``; the loop never
 branches on the rule or the place:
 
-* ``speculative.megatron_verifier.MegatronVerifier`` (``spec.verifier: megatron``): the training ranks
+* ``speculative.megatron_verifier.MegatronVerifier`` (``spec.verifier: megatron``): the training
+ranks
   that already hold the step's weights run one forward over prompt + prefix + draft, keyed argmax
   per position (vocab-parallel over TP). Every rank of the replica calls it (collective; under
   expert parallelism every rank of the TP x EP group, drafts or not: ``every_step``).
@@ -14,13 +15,13 @@ branches on the rule or the place:
 * ``InRolloutVerifier`` (``spec.verifier: engine`` on vLLM, the default): nothing runs before
   the rollout;
   each request carries its draft into the engine, which proposes it whole after the prefill and
-  verifies it in its keyed spec-decode step (``speculative.pool.Continuation``). The prompt is prefilled
-  once, the accepted prefix never twice, and the accepted tokens are settled from the responses
-  (``VerifiedDrafts.settled``).
+  verifies it in its keyed spec-decode step (``speculative.pool.Continuation``). The prompt is
+  prefilled once, the accepted prefix never twice, and the accepted tokens are settled from the
+  responses (``VerifiedDrafts.settled``).
 
 ``verify_drafts`` is the step's verify stage: only the requests that have a draft go to the
-verifier. ``VerifiedDrafts.of`` turns a rule's ``speculative.verify.Verdict`` into the requests the engine
-continues from: prompt + the verified tokens as a fixed response prefix.
+verifier. ``VerifiedDrafts.of`` turns a rule's ``speculative.verify.Verdict`` into the requests the
+engine continues from: prompt + the verified tokens as a fixed response prefix.
 """
 
 from __future__ import annotations
@@ -105,8 +106,9 @@ class InRolloutVerifier:
     """Keyed verification inside the vLLM rollout: each request takes its (checked) draft along.
 
     A draft holding an id outside the vocabulary is dropped and one longer than the budget is cut
-    (``speculative.validate``, with a warning), as the Megatron verifier does. The draft is stored in
-    response positions (after the request's fixed prefix), which is how the engine compares it."""
+    (``speculative.validate``, with a warning), as the Megatron verifier does. The draft is stored
+    in response positions (after the request's fixed prefix), which is how the engine compares
+    it."""
 
     every_step = False
 

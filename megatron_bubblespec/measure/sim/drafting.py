@@ -1,18 +1,18 @@
 """Rank arrival times + the coming steps' draft lengths -> shared-cursor drafting until the last
 arrival -> drafted tokens per sample, drafting and overshoot seconds per rank.
 
-The event model of ``speculative.bubble.BubbleDrafter``: a rank that reaches the barrier before the last
-one claims next-step samples from one global cursor, ``chunk`` at a time, keeping up to
+The event model of ``speculative.bubble.BubbleDrafter``: a rank that reaches the barrier before the
+last one claims next-step samples from one global cursor, ``chunk`` at a time, keeping up to
 ``concurrency`` drafts in flight; its engine then runs steps of ``EngineCosts.decode_step`` with
 ``concurrency`` live sequences (each step adds one token to every draft in flight), and the chunks
 claimed at one moment add one prefill of their prompts to the rank's next step, delaying all its
-drafts. A draft ends at its length (EOS under the drafting policy, or the draft budget), which
-frees a slot that is refilled from the cursor at once. Claims happen in global time order, so fast
-ranks take more samples and the cursor hands the next step's samples out from global index 0 up
-(those of the low DP ranks first), as the real cursor does. When the last rank arrives, every
-draft keeps the tokens of the engine steps begun before that moment (the step in progress
-completes: overshoot). ``draft_ahead`` lays out a bubble's samples as the draft queue does (the
-steps of the drafting horizon, each in ``ablation.draft_order``) and keeps each step's drafts.
+drafts. A draft ends at its length (EOS under the drafting policy, or the draft budget), which frees
+a slot that is refilled from the cursor at once. Claims happen in global time order, so fast ranks
+take more samples and the cursor hands the next step's samples out from global index 0 up (those of
+the low DP ranks first), as the real cursor does. When the last rank arrives, every draft keeps the
+tokens of the engine steps begun before that moment (the step in progress completes: overshoot).
+``draft_ahead`` lays out a bubble's samples as the draft queue does (the steps of the drafting
+horizon, each in ``ablation.draft_order``) and keeps each step's drafts.
 
 Claims and pacing are the drafter's own rule (``speculative.claims.ClaimPolicy``): with
 ``prefill_budget`` (``spec.draft_prefill_tokens``) a rank claims at one moment only until the
