@@ -433,7 +433,8 @@ def _check_vocab(cfg: Config, task, prompts: list, vocab_size: int) -> None:
                    + [(max(task.eos_token_ids), "the EOS token")])
     if top >= vocab_size:
         fix = ("use data.task=synthetic with model.path=tiny, or model.path=smollm2 for the "
-               "chat tasks" if cfg.model.path == "tiny" else
+               "chat tasks, or a tiny model with SmolLM2's vocabulary for them "
+               "(model.tiny_vocab_size=49152)" if cfg.model.path == "tiny" else
                "the tokenizer and config.json's vocab_size disagree: make them match (resize "
                "the embeddings after adding tokens)")
         raise PreflightError(
