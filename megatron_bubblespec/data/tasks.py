@@ -1,13 +1,13 @@
-"""Tasks: prompt index -> Prompt (uid, token ids, reference answer, the task's own data); responses ->
-rewards.
+"""Tasks: prompt index -> Prompt (uid, token ids, reference answer, the task's own data);
+responses -> rewards.
 
 A task is the learner's whole view of the data: ``size`` prompts addressed by index (the lookahead
 sampler chooses indices), each with a stable ``uid`` (it enters every sample key) and token ids,
 and a ``reward`` that maps a response (token ids, EOS included when the engine stopped on one) to a
 ``RewardBreakdown``: a total and its named, weighted parts, which sum to the total. ``rewards`` is
 the batch form the loop's reward stage calls (``score``: a task without it is scored one response
-at a time). Tasks are registered, with what the config rules and preflight need to know of them,
-in ``data.registry``.
+at a time). Tasks are registered, with what preflight needs to know of them, in
+``data.registry``.
 
 Four tasks here, a fifth (``data.code_task``: Python functions run against test cases) beside:
 

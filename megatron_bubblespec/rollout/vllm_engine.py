@@ -202,16 +202,17 @@ class VLLMEngine(RolloutEngine):
     (``vllm_proposer``, ``vllm_patches``); with a ``token_cost`` each request chooses how many to
     propose from its acceptance (``speculative.pool.Continuation``).
 
-    ``verify_drafts`` (``spec.verifier: engine``): a request's own ``draft`` is proposed
-    after its prefill, whole or ``VLLM_MAX_SPEC_TOKENS`` (vLLM's rejection sampler's limit)
-    tokens a step, and verified by the same keyed spec-decode step, in the engine's
-    own forward: the prompt is prefilled once and the accepted prefix is never prefilled again.
+    ``continuation.verify_drafts`` (``spec.verifier: engine``): a request's own ``draft`` is
+    proposed after its prefill, whole or ``VLLM_MAX_SPEC_TOKENS`` (vLLM's rejection sampler's
+    limit) tokens a step, and verified by the same keyed spec-decode step, in the engine's own
+    forward: the prompt is prefilled once and the accepted prefix is never prefilled again.
 
-    ``reuse_draft_kv`` (``ablation.reuse_draft_kv``): a weight update keeps the prefix cache. Every
-    request's cached KV is salted: a rollout request's with the weight version, so it only
-    ever meets KV of the weights it runs on (as after a cache reset); a drafting request's
-    (``RolloutRequest.drafting``) with one salt for all versions, so a later bubble extends a
-    partial draft on the KV of its prompt and earlier tokens instead of prefilling them again.
+    ``continuation.reuse_draft_kv`` (``ablation.reuse_draft_kv``): a weight update keeps the
+    prefix cache. Every request's cached KV is salted: a rollout request's with the weight
+    version, so it only ever meets KV of the weights it runs on (as after a cache reset); a
+    drafting request's (``RolloutRequest.drafting``) with one salt for all versions, so a later
+    bubble extends a partial draft on the KV of its prompt and earlier tokens instead of
+    prefilling them again.
 
     ``batch_invariant`` (``rollout.batch_invariant``, CUDA): vLLM's batch-invariant kernels, so
     that drafts verified in a spec-decode step draw the tokens of one-token decoding in bfloat16
