@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from megatron_bubblespec.data.registry import make_task
+from megatron_bubblespec.data.tasks import score
 from megatron_bubblespec.machine import machine_info
 from megatron_bubblespec.models.smollm2 import load_tokenizer, smollm2_checkpoint
 from megatron_bubblespec.rollout.vllm_engine import VLLMEngine
@@ -40,7 +41,8 @@ from megatron_bubblespec.sampling import SamplingParams, sample_key
 from megatron_bubblespec.sampling.keyed import truncation_mask
 from megatron_bubblespec.sampling.requests import RolloutRequest
 
-TASKS = {"gsm8k": dict(name="gsm8k", split="train"), "arithmetic": dict(name="arithmetic")}
+TASKS = {"gsm8k": dict(name="gsm8k", split="train"), "arithmetic": dict(name="arithmetic"),
+         "code": dict(name="code")}
 
 
 def candidate(spec: str) -> tuple[str, float, float]:
@@ -65,8 +67,8 @@ def survey(engine, task, params, prompts: int, samples: int, budget: int, seed: 
                 for prompt in picked for s in range(samples)]
     results = engine.generate(requests, params)
     lengths = [len(r.token_ids) for r in results]
-    rewards = [task.reward(picked[i // samples], r.token_ids).total
-               for i, r in enumerate(results)]
+    rewards = [x.total for x in score(task, [picked[i // samples] for i in range(len(results))],
+                                      [r.token_ids for r in results])]
     pairs = [(list(picked[i // samples].token_ids), list(r.token_ids))
              for i, r in enumerate(results)]
     return (np.asarray(lengths).reshape(prompts, samples),
