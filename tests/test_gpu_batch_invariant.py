@@ -46,6 +46,7 @@ def compare(batch_invariant: bool, workdir: str, dtype: str = "bfloat16") -> dic
     from megatron_bubblespec.sampling import SamplingParams, sample_key
     from megatron_bubblespec.sampling.requests import RolloutRequest
     from megatron_bubblespec.speculative.verifier import InRolloutVerifier, accepted_in_rollout
+    from megatron_bubblespec.speculative.continuation import ContinuationSettings
 
     checkpoint = make_tiny_checkpoint(workdir, "llama", seed=3, vocab_size=VOCAB, hidden_size=256,
                                       num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64,
@@ -63,7 +64,8 @@ def compare(batch_invariant: bool, workdir: str, dtype: str = "bfloat16") -> dic
     if torch.cuda.is_available():
         options["gpu_memory_utilization"] = 0.15   # two engines in one process
     plain = VLLMEngine(checkpoint, **options).generate(requests("plain"), params)
-    verifier = VLLMEngine(checkpoint, verify_drafts=True, **options)
+    verifier = VLLMEngine(checkpoint, continuation=ContinuationSettings.of(
+        "ablation.speculative_continuation=false", "ablation.reuse_draft_kv=false"), **options)
     drafts = _drafts([r.token_ids for r in plain])
     checked = InRolloutVerifier(VOCAB).verify(requests("drafted"), drafts)
     got = verifier.generate(checked.requests, params)

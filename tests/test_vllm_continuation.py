@@ -266,7 +266,8 @@ def test_continuation_pauses_after_misses():
 
 
 ALL_SOURCES = ("bubble", "realign", "prompt", "history", "self", "siblings")
-SOURCES_OPTIONS = dict(continuation=_settings(f"spec.proposal_sources=[{','.join(ALL_SOURCES)}]"))
+SOURCES_OPTIONS = dict(
+    continuation=_settings(f"spec.proposal_sources=[{','.join(ALL_SOURCES)}]"))
 ADAPTIVE_OPTIONS = dict(continuation=_settings(
     f"spec.proposal_sources=[{','.join(ALL_SOURCES)}]", "spec.proposal_token_cost=0.4"))
 
