@@ -22,7 +22,8 @@ SMOLLM2_SPEC = dict(
     head_dim=64, intermediate_size=1536, rope_theta=100000.0, tie_word_embeddings=True,
     qkv_bias=False, max_position_embeddings=8192,
     qk_norm=False, num_experts=0, experts_per_token=0, moe_intermediate_size=0,   # dense Llama
-    norm_topk_prob=True)
+    norm_topk_prob=True, yarn_factor=0.0, yarn_original_max_position_embeddings=0,  # plain RoPE
+    yarn_beta_fast=32.0, yarn_beta_slow=1.0, yarn_attention_factor=1.0, yarn_truncate=True)
 
 
 @pytest.fixture(scope="module")
