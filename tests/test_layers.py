@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
 # Lowest first. A module may import from its own subpackage and from lower floors only.
 FLOORS = [
-    {"config", "tokens", "cache", "splitmix", "machine", "logs", "metrics", "distributed"},
+    {"config", "tokens", "cache", "splitmix", "machine", "logs", "metrics", "distributed",
+     "registry"},
     {"sampling", "models", "cpu_runtime"},  # keyed sampler, request types; HF checkpoints; preload
     {"data", "train"},                      # tasks and rewards; Megatron model, GRPO, reshard
     {"speculative"},                        # verification rules, drafts, the Megatron verifier

@@ -14,6 +14,7 @@ from typing import Any, Callable
 from megatron_bubblespec.data.code_task import CodeTask
 from megatron_bubblespec.data.tasks import (ArithmeticWordTask, GSM8KTask, JsonlTask,
                                             SyntheticArithmeticTask, Task)
+from megatron_bubblespec.registry import Registry
 
 BUILTIN_MODELS = ("tiny", "smollm2")       # model.path values that are not a directory
 
@@ -30,20 +31,15 @@ class TaskEntry:
     summary: str = ""
 
 
-TASKS: dict[str, TaskEntry] = {}
+TASKS = Registry("task")
 
 
 def register_task(entry: TaskEntry) -> TaskEntry:
-    if entry.name in TASKS:
-        raise ValueError(f"task {entry.name!r} is registered twice")
-    TASKS[entry.name] = entry
-    return entry
+    return TASKS.register(entry.name, entry)
 
 
 def task_entry(name: str) -> TaskEntry:
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}: valid names are {', '.join(sorted(TASKS))}")
-    return TASKS[name]
+    return TASKS.entry(name)
 
 
 def make_task(name: str, **kwargs) -> Task:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from megatron_bubblespec.registry import Registry
 from megatron_bubblespec.speculative.verify import (Verdict, verify_keyed, verify_lenient,
                                              verify_residual)
 
@@ -40,14 +41,11 @@ class Rule:
     summary: str = ""
 
 
-RULES: dict[str, Rule] = {}
+RULES = Registry("verification rule")
 
 
 def register(rule: Rule) -> Rule:
-    if rule.name in RULES:
-        raise ValueError(f"verification rule {rule.name!r} is registered twice")
-    RULES[rule.name] = rule
-    return rule
+    return RULES.register(rule.name, rule)
 
 
 @dataclass(frozen=True)
@@ -59,10 +57,7 @@ class RuleChoice:
 
     @property
     def rule(self) -> Rule:
-        if self.name not in RULES:
-            raise ValueError(f"unknown verification rule {self.name!r}; registered: "
-                             f"{', '.join(RULES)}")
-        return RULES[self.name]
+        return RULES.entry(self.name)
 
     def settle(self, target_logits, draft_probs, draft, draft_lens, keys, start_positions, params,
                eos_token_ids=()) -> Verdict:
