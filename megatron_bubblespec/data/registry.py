@@ -1,9 +1,9 @@
-"""``data.task`` names -> how each task is built from a run config, and what the config rules and
-preflight need to know of it: the one place a task is registered.
+"""``data.task`` names -> how each task is built from a run config, and what preflight needs to know
+of it: the one place a task is registered.
 
-Adding a task: a class with the ``data.tasks.Task`` protocol, and one ``register_task`` below. The
-schema's choices, the config rules (which tasks read ``data.path``) and preflight (which need the
-model's tokenizer, which have every prompt checked) read this table.
+Adding a task: a class with the ``data.tasks.Task`` protocol, and one ``register_task`` below.
+Preflight reads this table (the name, which tasks read ``data.path``, which need the model's
+tokenizer, which have every prompt checked); the config package sits below it and does not.
 """
 
 from __future__ import annotations
