@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 LONGTAIL = Path(__file__).parents[1] / "configs" / "longtail.yaml"
 
-NEW_TOKENS, PROMPTS = 160, 2      # the long-tail job's prompts (~100 tokens) + 160: past position 96
+NEW_TOKENS, PROMPTS = 160, 2      # prompts of ~100 tokens + 160: past sequence position 96
 
 
 def _unwrap_cpu_rows(model) -> int:

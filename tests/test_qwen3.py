@@ -79,7 +79,7 @@ def test_logits_and_bit_exact_round_trip(checkpoints, arch, tp, ep, dp):
             assert torch.equal(hf_back[name], tensor), name
 
 
-# ------------------------------------------------------------------ YaRN rope scaling (Qwen3 past 32k)
+# ------------------------------------------------------- YaRN rope scaling (Qwen3 past 32k)
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 LONG = 200     # tokens: three times the original context, where YaRN's interpolation matters

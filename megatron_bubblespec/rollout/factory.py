@@ -54,15 +54,16 @@ def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | N
     """Start an engine of ``kind`` on the HF directory ``path``.
 
     ``continuation`` (``speculative.continuation.ContinuationSettings``; none: no speculation)
-    configures speculative continuation, vLLM's verification of requests' own drafts and its
-    prefix cache kept across weight updates for drafting requests; ``kv_cache_mb``: a CPU vLLM
-    engine's KV cache (none: ``rollout.kv_cache_mb``'s default); ``keep_previous_weights`` keeps
-    the drafting policy the reference engine needs for the ablation rules; ``keyed=False`` gives a vLLM engine on vLLM's own sampler (the benchmark's
-    baseline, see ``VLLMEngine``); ``sleep_mode`` lets a GPU vLLM engine free its memory while
-    Megatron trains; ``measure_cost_at_rows`` has a vLLM engine measure its proposal token cost at
-    that many requests; ``batch_invariant`` gives a GPU vLLM engine its batch-invariant kernels;
-    ``kv_block_size`` sets vLLM's KV block (None: its default). With ``tensor_parallel`` > 1 every
-    rank of the engine's TP group calls this at the same time (vLLM's external launcher)."""
+    configures speculative continuation, vLLM's verification of requests' own drafts and its prefix
+    cache kept across weight updates for drafting requests; ``kv_cache_mb``: a CPU vLLM engine's KV
+    cache (none: ``rollout.kv_cache_mb``'s default); ``keep_previous_weights`` keeps the drafting
+    policy the reference engine needs for the ablation rules; ``keyed=False`` gives a vLLM engine on
+    vLLM's own sampler (the benchmark's baseline, see ``VLLMEngine``); ``sleep_mode`` lets a GPU
+    vLLM engine free its memory while Megatron trains; ``measure_cost_at_rows`` has a vLLM engine
+    measure its proposal token cost at that many requests; ``batch_invariant`` gives a GPU vLLM
+    engine its batch-invariant kernels; ``kv_block_size`` sets vLLM's KV block (None: its default).
+    With ``tensor_parallel`` > 1 every rank of the engine's TP group calls this at the same time
+    (vLLM's external launcher)."""
     if kind == "reference":
         if measure_cost_at_rows:
             raise ValueError("measure_cost_at_rows times vLLM's verify steps: it needs kind='vllm'")

@@ -32,7 +32,7 @@ from megatron_bubblespec.config.schema import PROPOSAL_SOURCES as SOURCES
 STATIC = ("prompt", "bubble", "history")   # fixed when the prompt's index is built
 GROWING = ("self", "siblings")              # the samples' own texts, indexed as they grow
 DRAFTS = ("bubble", "realign")              # the prompt's bubble drafts: the others', one's own
-DEFAULT_SOURCES = DRAFTS   # an index built directly; engines pass their ContinuationSettings' sources
+DEFAULT_SOURCES = DRAFTS   # an index built directly (the engines pass their settings' sources)
 
 
 def has_sources(sources, drafts, history=()) -> bool:
