@@ -107,27 +107,21 @@ class CodeTask(_ChatTask):
         self.time_limit_s, self.sample_time_limit_s = time_limit_s, sample_time_limit_s
         self.memory_mb, self.workers = memory_mb, workers
 
-    def _question(self, index: int) -> tuple[str, str, str]:
+    def _item(self, index: int) -> tuple[str, str, dict]:
+        """(uid, question, data) of prompt ``index``: a JSONL row's, or generated."""
         if self.rows:
-            line, (question, _) = self.rows[index]
-            return f"code-jsonl-{line}", question, ""
+            line, (question, data) = self.rows[index]
+            return f"code-jsonl-{line}", question, data
         a, b = _operands(self.seed, index, 99)
-        question, _ = FAMILIES[(a + b) % len(FAMILIES)](a, b)
-        return f"code-{self.seed}-{index}", question, ""
+        question, tests = FAMILIES[(a + b) % len(FAMILIES)](a, b)
+        return f"code-{self.seed}-{index}", question, {"entry": ENTRY, "tests": tests}
+
+    def _question(self, index: int) -> tuple[str, str, str]:
+        uid, question, _ = self._item(index)
+        return uid, question, ""
 
     def _data(self, index: int) -> dict:
-        if self.rows:
-            return self.rows[index][1][1]
-        a, b = _operands(self.seed, index, 99)
-        return {"entry": ENTRY, "tests": FAMILIES[(a + b) % len(FAMILIES)](a, b)[1]}
-
-    def prompt(self, index: int) -> Prompt:
-        prompt = super().prompt(index)
-        if not prompt.data:
-            prompt = Prompt(prompt.uid, prompt.index, prompt.token_ids, prompt.answer,
-                            prompt.text, self._data(index))
-            self._cache[index] = prompt
-        return prompt
+        return self._item(index)[2]
 
     def reward(self, prompt: Prompt, response_token_ids: Sequence[int]) -> RewardBreakdown:
         return self.rewards([prompt], [response_token_ids])[0]

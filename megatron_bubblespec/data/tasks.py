@@ -238,6 +238,10 @@ class _ChatTask:
         """(uid, question, reference answer) of prompt ``index``."""
         raise NotImplementedError
 
+    def _data(self, index: int) -> dict:
+        """The task's own data of prompt ``index`` (``Prompt.data``); none by default."""
+        return {}
+
     def encode(self, question: str) -> list[int]:
         """The chat-template token ids of one question, ending in the assistant turn's header."""
         messages = [{"role": "user", "content": self.instruction.format(question=question)}]
@@ -252,7 +256,8 @@ class _ChatTask:
         if index not in self._cache:
             uid, question, answer = self._question(index)
             token_ids = self.encode(question)
-            self._cache[index] = Prompt(uid, index, token_ids, answer, question)
+            self._cache[index] = Prompt(uid, index, token_ids, answer, question,
+                                        self._data(index))
         prompt = self._cache[index]
         _check_length(self.name, prompt.uid, prompt.token_ids, self.max_prompt_tokens)
         return prompt

