@@ -101,11 +101,12 @@ def preflight(cfg: Config) -> PreflightReport:
 
 
 def check_registered(cfg: Config) -> None:
-    """The task and the verification rule the config names, against their registries
-    (``data.registry``, ``speculative.rules``; the config package imports neither): the names, where
-    a task reads ``data.path``, and where a rule runs."""
+    """The task, the verification rule and the proposal sources the config names, against their
+    registries (``data.registry``, ``speculative.rules``, ``speculative.sources``; the config
+    package imports none): the names, where a task reads ``data.path``, and where a rule runs."""
     from megatron_bubblespec.data.registry import TASKS
     from megatron_bubblespec.speculative.rules import RULES
+    from megatron_bubblespec.speculative.sources import SOURCES
 
     d = cfg.data
     if d.task not in TASKS:
@@ -124,6 +125,11 @@ def check_registered(cfg: Config) -> None:
         raise PreflightError(f"ablation.rule={cfg.ablation.rule!r} is not a verification rule; "
                              f"choose one of {list(RULES)} (speculative/rules.py registers them)")
     _check_rule_placement(cfg, RULES[cfg.ablation.rule])
+    unknown = sorted(set(cfg.spec.proposal_sources) - set(SOURCES))
+    if unknown:
+        raise PreflightError(f"spec.proposal_sources has {unknown}; choose from {list(SOURCES)} "
+                             "(for example spec.proposal_sources=[bubble,prompt,self]; "
+                             "speculative/sources.py registers them)")
 
 
 def _check_rule_placement(cfg: Config, rule) -> None:

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from megatron_bubblespec.config import load_config
-from megatron_bubblespec.config.schema import PROPOSAL_SOURCES
+from megatron_bubblespec.speculative.sources import SOURCES
 from megatron_bubblespec.data.lookahead import LookaheadSampler
 from megatron_bubblespec.loop.layout import RolloutLayout
 from megatron_bubblespec.loop.run_dir import RunDir
@@ -257,7 +257,7 @@ def test_bench_tables_show_every_proposal_source_and_the_registrys_columns():
     assert r["continuation_proposed_tokens_realign"] == 5
     assert r["continuation_accepted_tokens_siblings"] == 2
     md = markdown_summary(r)
-    for source in PROPOSAL_SOURCES:
+    for source in SOURCES:
         for kind in ("proposed", "accepted"):
             assert f"| continuation {kind} tokens from {source} |" in md, (kind, source)
     assert "| continuation proposed tokens from realign | 5 |" in md

@@ -208,9 +208,11 @@ def test_kl_coef_is_a_non_negative_penalty():
 
 
 def test_vllm_continuation_proposes_at_most_what_its_rejection_sampler_takes():
-    with pytest.raises(ConfigError, match=r"spec\.spec_k=129: .* at most 128"):
+    with pytest.raises(ConfigError, match=r"spec\.spec_k=129, spec\.suffix_k=32: .* at most 128"):
         load_config(None, ["rollout.engine=vllm", "spec.spec_k=129"])
-    load_config(None, ["rollout.engine=reference", "spec.spec_k=129"])
+    with pytest.raises(ConfigError, match=r"spec\.suffix_k=129: .* at most 128"):
+        load_config(None, ["rollout.engine=vllm", "spec.suffix_k=129"])
+    load_config(None, ["rollout.engine=reference", "spec.spec_k=129", "spec.suffix_k=129"])
 
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_bubblespec.config import load_config
-from megatron_bubblespec.config.schema import PROPOSAL_SOURCES as ALL_SOURCES
+from megatron_bubblespec.speculative.sources import SOURCES as ALL_SOURCES
 from megatron_bubblespec.distributed.launch import launch_local
 from megatron_bubblespec.loop.replica import build_replica
 from megatron_bubblespec.loop.step import run_step

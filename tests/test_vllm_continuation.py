@@ -592,6 +592,43 @@ def test_adaptive_proposals_keep_the_tokens_and_both_engines_agree(checkpoint, a
     assert engine.last_engine_steps == reference.last_engine_steps
 
 
+SUFFIX_OPTIONS = dict(continuation=_settings("spec.proposal_sources=[suffix]",
+                                             "spec.suffix_k=24"))
+
+
+@pytest.fixture(scope="module")
+def suffix_engine(checkpoint):
+    return VLLMEngine(checkpoint, max_model_len=512, seed=0, **SUFFIX_OPTIONS)
+
+
+def test_suffix_proposals_run_past_spec_k_keep_the_tokens_and_both_engines_agree(
+        checkpoint, suffix_engine, plain, prompts, keys):
+    """The suffix source proposes as many tokens as its match is long (up to spec.suffix_k = 24,
+    past spec_k = 4). Half the requests hold their true response as a sibling's draft: the match
+    runs over the whole prompt, so proposals are long and accepted, and such a request takes
+    fewer decode steps than spec_k-token proposals would allow; the other half hold a corrupted
+    one, so proposals are also rejected. At T = 1, greedy and T = 0.7 with top-p the tokens stay
+    plain decoding's, and the reference engine proposes the same."""
+    reference = ReferenceEngine(checkpoint, **SUFFIX_OPTIONS)
+    totals = [0, 0]
+    for name, params in PARAMS.items():
+        responses = [r.token_ids for r in plain[name]]
+        pools = _pools("true", responses)[:3] + _pools("corrupted", responses, seed=4)[3:]
+        got = suffix_engine.generate(_requests(f"suffix-{name}", prompts, keys, pools), params)
+        ref = reference.generate(_requests(f"ref-suffix-{name}", prompts, keys, pools), params)
+        _assert_same(got, plain[name], f"suffix, {name}")
+        for i, (v, r) in enumerate(zip(got, ref)):
+            assert (v.token_ids, v.by_source, v.decode_steps) == \
+                (r.token_ids, r.by_source, r.decode_steps), f"{name}, request {i}"
+            proposed, accepted = v.by_source.get("suffix", (0, 0))
+            totals[0] += proposed
+            totals[1] += accepted
+        assert suffix_engine.last_engine_steps == reference.last_engine_steps, name
+        # fewer decode steps than tokens / (spec_k + 1): some step accepted more than spec_k
+        assert any(v.decode_steps < len(v.token_ids) / (SPEC_K + 1) for v in got[:3]), name
+    assert 0 < totals[1] < totals[0], totals
+
+
 @pytest.fixture(scope="module")
 def measured_engine(checkpoint):
     from megatron_bubblespec.rollout.factory import build_engine

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_bubblespec.config.schema import BOUNDS, CHOICES, PROPOSAL_SOURCES, Config
+from megatron_bubblespec.config.schema import BOUNDS, CHOICES, Config
 
 VLLM_MAX_SPEC_TOKENS = 128   # proposed tokens per request and step vLLM's rejection sampler takes (MAX_SPEC_LEN)
 
@@ -141,13 +141,6 @@ def _check_prompt_groups(cfg: Config) -> None:
 
 # ------------------------------------------------------------------------- spec and ablation
 
-def _check_proposal_sources(cfg: Config) -> None:
-    unknown = sorted(set(cfg.spec.proposal_sources) - set(PROPOSAL_SOURCES))
-    if unknown:
-        raise ConfigError(f"spec.proposal_sources has {unknown}; choose from "
-                          f"{list(PROPOSAL_SOURCES)} "
-                          "(for example spec.proposal_sources=[bubble,prompt,self])")
-
 
 def _check_verifier(cfg: Config) -> None:
     """Where the drafts are verified: each verifier runs only at some layouts and rules."""
@@ -169,10 +162,10 @@ def _check_continuation(cfg: Config) -> None:
     """Speculative continuation: what vLLM verifies per step, and what a proposal costs."""
     spec = cfg.spec
     if (cfg.rollout.engine == "vllm" and spec.enabled and cfg.ablation.speculative_continuation
-            and spec.spec_k > VLLM_MAX_SPEC_TOKENS):
-        raise ConfigError(f"spec.spec_k={spec.spec_k}: vLLM's rejection sampler verifies at "
-                          f"most {VLLM_MAX_SPEC_TOKENS} proposed tokens per step; lower "
-                          "spec.spec_k")
+            and max(spec.spec_k, spec.suffix_k) > VLLM_MAX_SPEC_TOKENS):
+        raise ConfigError(f"spec.spec_k={spec.spec_k}, spec.suffix_k={spec.suffix_k}: vLLM's "
+                          f"rejection sampler verifies at most {VLLM_MAX_SPEC_TOKENS} proposed "
+                          "tokens per step; lower them")
     if cfg.ablation.measure_proposal_cost and not (
             cfg.ablation.speculative_continuation and cfg.rollout.engine == "vllm"
             and cfg.rollout.tensor_parallel == 1):
@@ -243,7 +236,7 @@ def _check_learner(cfg: Config) -> None:
 # In this order: a config with several problems is told the first one.
 RULES = (
     _check_choices, _check_bounds, _check_parallel_layout, _check_rollout_tensor_parallel,
-    _check_proposal_sources, _check_gpu_memory_switches, _check_batch_invariance,
+    _check_gpu_memory_switches, _check_batch_invariance,
     _check_prompt_groups, _check_verifier, _check_continuation,
     _check_learner,
     _check_model_dtype, _check_data, _check_resume,

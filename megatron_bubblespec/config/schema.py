@@ -109,11 +109,12 @@ class SpecConfig:
     # no bound, the batch is claimed at once); bounds the engine step in flight when the barrier
     # closes, which the step waits for (speculative.bubble)
     draft_prefill_tokens: int = 256
-    # what a decoding sample proposes from (speculative.pool, where each source is described); each
-    # is counted in spec/continuation_*/<source>
+    # what a decoding sample proposes from (speculative.sources registers and describes them);
+    # each is counted in spec/continuation_*/<source>
     proposal_sources: list[str] = field(
         default_factory=lambda: ["bubble", "realign", "prompt", "self", "siblings"])
     spec_k: int = 4
+    suffix_k: int = 32              # the most tokens a suffix match proposes (as long as it is)
     # the cost of one proposed token, as a fraction of a decode step: each sample then proposes
     # the 0 .. spec_k tokens that pay at its recent acceptance (speculative.pool); none: always
     # spec_k
@@ -212,7 +213,6 @@ class Config:
 
 
 # What speculative continuation proposes from (``speculative.pool``, where each is described).
-PROPOSAL_SOURCES = ("bubble", "realign", "prompt", "history", "self", "siblings")
 # Which of a step's samples a bubble drafts first (``speculative.queue``, where each is described).
 DRAFT_ORDERS = ("engines", "stragglers")
 
@@ -248,6 +248,7 @@ BOUNDS = {
     "spec.draft_in_flight": (lambda v: v >= 1, ">= 1"),
     "spec.draft_prefill_tokens": (lambda v: v >= 0, ">= 0 (0 = no bound)"),
     "spec.spec_k": (lambda v: v >= 1, ">= 1"),
+    "spec.suffix_k": (lambda v: v >= 1, ">= 1"),
     "spec.min_match": (lambda v: v >= 1, ">= 1"),
     "train.lr": (lambda v: v >= 0, ">= 0"),
     "train.micro_batch_size": (lambda v: v >= 1, ">= 1"),

@@ -71,7 +71,9 @@ The comparison:
   the runs did not record them;
 * training: ``lr`` (the on run's last logged learning rate), ``policy_drift_kl_mean`` (mean over
   the on run's steps of ``policy/drift_kl``; ``policy_drift_kl_mean_off`` the off run's),
-  ``reward_mean_on`` / ``reward_mean_off``;
+  ``reward_mean_on`` / ``reward_mean_off``, ``reward_first4_on`` / ``reward_last4_on`` (the on
+  run's first and last 4 steps), ``token_entropy_mean`` (mean of ``train/entropy`` over the on run's
+  steps: the entropy of softmax(logits / T) at the sampled tokens' positions, before top-p);
 * context: ``name``, ``steps``, ``runs`` (the run directories: on, off and plain when replayed),
   ``machine`` (cpu count, torch version, start and end date, wall time, load average),
   ``config``, ``overrides``, and ``series`` (the full per-step records of both runs and, when
@@ -241,6 +243,10 @@ def compare(on: Sequence[Record], off: Sequence[Record], plain: Sequence[Record]
         "bubble_utilization": bubble_utilization(on),
         "reward_mean_on": mean_of(on, "train/reward_mean"),
         "reward_mean_off": mean_of(off, "train/reward_mean"),
+        # whether the job learns: the reward's first and last steps
+        "reward_first4_on": mean_of(on[:4], "train/reward_mean"),
+        "reward_last4_on": mean_of(on[-4:], "train/reward_mean"),
+        "token_entropy_mean": mean_of(on, "train/entropy"),
         "lr": lrs[-1] if lrs else math.nan,
         "policy_drift_kl_mean": mean_of(on, "policy/drift_kl"),
         "policy_drift_kl_mean_off": mean_of(off, "policy/drift_kl"),

@@ -10,11 +10,11 @@ from __future__ import annotations
 import math
 from typing import Mapping, Sequence
 
-from megatron_bubblespec.config.schema import PROPOSAL_SOURCES
 from megatron_bubblespec.metrics.formatting import (count, number, percent, scientific, seconds,
                                                     value)
 from megatron_bubblespec.metrics.registry import (BENCH_STEP_COLUMNS, BENCH_STEP_COLUMNS_ON,
                                                   METRICS, PER_SOURCE)
+from megatron_bubblespec.speculative.sources import SOURCES
 
 Record = Mapping[str, object]
 
@@ -22,7 +22,7 @@ Record = Mapping[str, object]
 # source: spec/continuation_proposed_tokens/<source> -> continuation_proposed_tokens_<source>.
 SOURCE_COUNTS = tuple(
     (key, key.removeprefix("spec/").replace("/", "_"), label, family.fmt)
-    for source in PROPOSAL_SOURCES for family in PER_SOURCE
+    for source in SOURCES for family in PER_SOURCE
     for key, label in [family.for_source(source)])
 
 
@@ -71,6 +71,9 @@ SUMMARY_ROWS = (
     ("token mismatch on vs off (samples, all steps)", "token_mismatch_samples", count),
     ("reward mean, on run", "reward_mean_on", number),
     ("reward mean, off run", "reward_mean_off", number),
+    ("reward mean, on run's first 4 steps", "reward_first4_on", number),
+    ("reward mean, on run's last 4 steps", "reward_last4_on", number),
+    ("token entropy mean (nats), on run", "token_entropy_mean", number),
     ("learning rate", "lr", scientific),
     ("policy drift KL mean, on run", "policy_drift_kl_mean", scientific),
 )

@@ -16,8 +16,8 @@ Reductions over the rollout engines of one step (``reduce``):
 * ``PER_ENGINE``: ``rank{r}/<name>``, engine r's own value of ``<name>``.
 
 The continuation's token counts per proposal source are one declaration per family,
-``spec/continuation_{proposed,accepted}_tokens/{source}``, for every source of
-``config.schema.PROPOSAL_SOURCES``; a task's reward parts (``data.tasks.RewardBreakdown``) are one
+``spec/continuation_{proposed,accepted}_tokens/{source}``, its members named by the sources
+(``speculative.sources``); a task's reward parts (``data.tasks.RewardBreakdown``) are one
 family, ``train/reward/{part}``, its members named by the task (:func:`family_of`).
 
 ``over_run`` is the whole-run value of a metric from its step records (``run_totals``).

@@ -24,7 +24,8 @@ from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult,
 from megatron_bubblespec.rollout.torch_llama import TorchLlama
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.speculative.continuation import ContinuationSettings, off
-from megatron_bubblespec.speculative.pool import Continuation, Siblings, has_sources
+from megatron_bubblespec.speculative.pool import Continuation, Siblings
+from megatron_bubblespec.speculative.sources import has_sources
 from megatron_bubblespec.speculative.rules import KEYED, RuleChoice
 from megatron_bubblespec.speculative.verify import verify_keyed
 from megatron_bubblespec.tokens import pad_token_rows
@@ -75,7 +76,7 @@ class ReferenceEngine(RolloutEngine):
         self.continuation = c = continuation or off()
         self._waiting: list[tuple[RolloutRequest, SamplingParams]] = []
         self._running: dict[str, _Running] = {}
-        self._siblings = Siblings(c.min_match, c.max_match, c.sources)
+        self._siblings = Siblings(c.min_match, c.max_match, c.sources, c.suffix_k)
 
     @property
     def dtype(self) -> str:

@@ -53,7 +53,7 @@ from megatron_bubblespec.rollout.vllm_requests import LiveRequest
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult, settle_eos
 from megatron_bubblespec.speculative.continuation import ContinuationSettings, off
-from megatron_bubblespec.speculative.pool import has_sources
+from megatron_bubblespec.speculative.sources import has_sources
 
 BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 CPU_SPLIT_KV_ENV = "VLLM_CPU_ATTN_SPLIT_KV"

@@ -1,148 +1,60 @@
-"""Proposal index: one prompt's sources (its bubble drafts, the prompt, earlier responses, its samples'
-texts as they grow) + a sample's text so far -> the next k tokens to propose, and their source.
+"""Proposal index: one prompt's texts (``speculative.sources.PromptTexts``) and the enabled proposal
+sources + a sample's text so far -> the next tokens to propose, and their source.
 
 Speculative continuation: while a sample decodes, it proposes tokens that followed the longest
-suffix of its current text seen in one of its sources; the keyed verifier decides, so any source is
-exact. The sources (``spec.proposal_sources``, each switchable):
-
-* ``bubble``: the drafts of the same prompt's other samples, made by the older policy in the
-  bubble (each indexed as prompt + draft);
-* ``realign``: the sample's own bubble draft after the response left it (a rejected token): a
-  suffix match finds where the response meets the draft again, and the draft resumes from there;
-* ``prompt``: the prompt's text (a response often quotes the question's numbers and phrases);
-* ``history``: the prompt's responses from the last time it was rolled out (an earlier epoch;
-  each indexed as prompt + response);
-* ``self``: the sample's own response so far, indexed online as it grows (repetitions);
-* ``siblings``: the same prompt's other samples in the same engine, as they are generated.
-
+suffix of its current text that one of its sources (``spec.proposal_sources``, registered and
+described in ``speculative.sources``) matches; the keyed verifier decides, so any source is exact.
 One ``PromptIndex`` per prompt and engine, shared by the prompt's samples (each a member, seen
-through its ``DraftPool``): every n-gram (n in [min_match, max_match]) of every sequence -> the
-first place it occurred in each sequence, in the order the n-grams were indexed. The longest
-suffix match wins; among equal lengths the earliest indexed: the prompt, the drafts (as prompt +
-draft: without the prompt source, matches inside the prompt are the drafts'), the earlier
-responses, then the samples' texts in the order they were written.
+through its ``DraftPool``). The longest match wins; among equal lengths the earlier sequence (the
+prompt, the drafts, the earlier responses, then the samples' texts in the order they joined), then
+the source registered first.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-from megatron_bubblespec.config.schema import PROPOSAL_SOURCES as SOURCES
+from megatron_bubblespec.speculative.sources import (Lookup, PromptTexts, corpora_of,
+                                                     sources_named)
 
-STATIC = ("prompt", "bubble", "history")   # fixed when the prompt's index is built
-GROWING = ("self", "siblings")              # the samples' own texts, indexed as they grow
-DRAFTS = ("bubble", "realign")              # the prompt's bubble drafts: the others', one's own
-DEFAULT_SOURCES = DRAFTS   # an index built directly (the engines pass their settings' sources)
-
-
-def has_sources(sources, drafts, history=()) -> bool:
-    """Whether a sample with these ``drafts`` (and earlier responses) has anything to propose
-    from (its prompt and the samples' texts always exist; drafts and responses when there are
-    some)."""
-    sources = set(sources)
-    return bool(sources - {*DRAFTS, "history"}) or bool(drafts and sources & set(DRAFTS)) \
-        or bool(history and "history" in sources)
+DEFAULT_SOURCES = ("bubble", "realign")   # an index built directly (engines pass their settings')
+DEFAULT_SUFFIX_K = 32                     # likewise: the most tokens a suffix match proposes
 
 
-class PromptIndex:
-    """One prompt's proposal index, shared by its samples in one engine (see the module doc).
-
-    Members write their responses with ``extend``. The engines write every sample's new tokens
-    once per engine step, in request-id order, before any sample proposes, so two engines that
-    step alike index alike and propose alike."""
+class PromptIndex(PromptTexts):
+    """One prompt's texts with the enabled sources, shared by its samples in one engine (see the
+    module doc)."""
 
     def __init__(self, prompt: Sequence[int], drafts: Sequence[Sequence[int]] = (),
                  min_match: int = 2, max_match: int = 8,
-                 sources: Sequence[str] = DEFAULT_SOURCES, history: Sequence[Sequence[int]] = ()):
-        if not 1 <= min_match <= max_match:
-            raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
-        unknown = sorted(set(sources) - set(SOURCES))
-        if unknown:
-            raise ValueError(f"unknown proposal sources {unknown}; known: {', '.join(SOURCES)}")
-        self.min_match, self.max_match = min_match, max_match
-        self.prompt = [int(t) for t in prompt]
-        self.sources = frozenset(sources)
-        self.sequences: list[list[int]] = []
-        self.source_of: list[str] = []   # a static source, or "response"
-        self.owner_of: list[str | None] = []   # the member whose response it is
-        self.index: dict[tuple[int, ...], dict[int, int]] = {}   # n-gram -> {sequence: end}
-        self.members: dict[str, int] = {}   # member -> its response's sequence
-        self.draft_sequence: dict[int, int] = {}   # draft's place in ``drafts`` -> its sequence
-        if "prompt" in self.sources:
-            self._add(list(self.prompt), "prompt")
-        if self.sources & set(DRAFTS):
-            for i, text in enumerate(drafts):
-                if text:
-                    self.draft_sequence[i] = self._add(self.prompt + [int(t) for t in text],
-                                                       "bubble")
-        if "history" in self.sources:
-            for text in history:
-                if text:
-                    self._add(self.prompt + [int(t) for t in text], "history")
-
-    def _add(self, seq: list[int], source: str, owner: str | None = None) -> int:
-        self.sequences.append(seq)
-        self.source_of.append(source)
-        self.owner_of.append(owner)
-        self._index_ends(len(self.sequences) - 1, range(1, len(seq)))
-        return len(self.sequences) - 1
-
-    def _index_ends(self, s: int, ends: range) -> None:
-        """n-grams of sequence ``s`` ending before each ``end`` (so each has a follower)."""
-        seq = self.sequences[s]
-        for end in ends:
-            for n in range(self.min_match, min(self.max_match, end) + 1):
-                self.index.setdefault(tuple(seq[end - n:end]), {}).setdefault(s, end)
+                 sources: Sequence[str] = DEFAULT_SOURCES, history: Sequence[Sequence[int]] = (),
+                 suffix_k: int = DEFAULT_SUFFIX_K):
+        self.sources = sources_named(sources)
+        super().__init__(prompt, drafts, history, min_match, max_match,
+                         sorted(corpora_of(sources)))
+        self.suffix_k = suffix_k
 
     @property
-    def grows(self) -> bool:
-        """Whether the samples' texts are indexed (``self`` or ``siblings`` is a source)."""
-        return bool(self.sources & set(GROWING))
-
-    def join(self, member: str, own_draft: int | None = None) -> None:
-        """A sample of this prompt (``own_draft``: the place of its own draft in ``drafts``): its
-        response gets a sequence once it writes one."""
-        if own_draft in self.draft_sequence:
-            self.owner_of[self.draft_sequence[own_draft]] = member
-        if member not in self.members and self.grows:
-            self.members[member] = self._add([], "response", member)
-
-    def written(self, member: str) -> int:
-        """How many response tokens of ``member`` the index holds."""
-        s = self.members.get(member)
-        return 0 if s is None else len(self.sequences[s])
-
-    def extend(self, member: str, tokens: Sequence[int]) -> None:
-        """The member's next response tokens: index them."""
-        s = self.members.get(member)
-        if s is None or not len(tokens):
-            return
-        own = self.sequences[s]
-        start = len(own)
-        own.extend(int(t) for t in tokens)
-        self._index_ends(s, range(max(1, start), len(own)))
-
-    def _source(self, s: int, member: str) -> str | None:
-        """What sequence ``s`` is to ``member``: its source if ``member`` may propose from it."""
-        source, own = self.source_of[s], self.owner_of[s] == member
-        if source == "bubble":
-            source = "realign" if own else "bubble"
-        elif source == "response":
-            source = "self" if own else "siblings"
-        return source if source in self.sources else None
+    def static(self) -> bool:
+        """Whether the texts hold a sequence fixed when the index was built."""
+        return any(c != "responses" for c in self.corpus_of)
 
     def propose(self, member: str, context: Sequence[int], k: int) -> tuple[list[int], str | None]:
-        """Up to k tokens that followed the longest suffix of ``context`` that ``member`` may
-        match, and their source ([] and None without a match)."""
+        """The tokens that followed the longest match ``member`` may use, and their source ([]
+        and None without one): up to ``k``, or for a source that sets its own limit (``suffix``)
+        as many as it matched, up to ``suffix_k``."""
         if k <= 0:
             return [], None
-        for n in range(min(self.max_match, len(context)), self.min_match - 1, -1):
-            hits = self.index.get(tuple(int(t) for t in context[len(context) - n:]))
-            for s, end in (hits or {}).items():
-                source = self._source(s, member)
-                if source is not None:
-                    return self.sequences[s][end:end + k], source
-        return [], None
+        lookup, best, name = Lookup(self, context), None, None
+        for source in self.sources:
+            m = source.match(self, member, lookup)
+            if m is not None and (best is None or (m.length, -m.sequence)
+                                  > (best.length, -best.sequence)):
+                best, name = m, source.name
+        if best is None:
+            return [], None
+        width = k if best.limit is None else min(best.limit, self.suffix_k)
+        return best.tokens(self, width), name
 
 
 class DraftPool:
@@ -153,15 +65,16 @@ class DraftPool:
                  min_match: int = 2, max_match: int = 8,
                  sources: Sequence[str] = DEFAULT_SOURCES, history: Sequence[Sequence[int]] = (),
                  *, index: PromptIndex | None = None, member: str = "sample",
-                 own_draft: int | None = None):
-        self.index = index or PromptIndex(prompt, drafts, min_match, max_match, sources, history)
+                 own_draft: int | None = None, suffix_k: int = DEFAULT_SUFFIX_K):
+        self.index = index or PromptIndex(prompt, drafts, min_match, max_match, sources, history,
+                                          suffix_k)
         self.member = member
         self.prompt_len = len(prompt)
         self.index.join(member, own_draft)
 
     def __bool__(self) -> bool:
         """Whether anything may ever propose (a static sequence, or the samples' texts)."""
-        return self.index.grows or any(s in STATIC for s in self.index.source_of)
+        return self.index.grows or self.index.static
 
     def observe(self, context: Sequence[int]) -> None:
         """The sample's text so far (prompt + response): index its new response tokens."""
@@ -180,9 +93,11 @@ class Siblings:
     running samples: the samples of a prompt share one, so each proposes from the others' texts
     (``siblings``). An index goes when its last sample leaves."""
 
-    def __init__(self, min_match: int, max_match: int, sources: Sequence[str]):
+    def __init__(self, min_match: int, max_match: int, sources: Sequence[str],
+                 suffix_k: int = DEFAULT_SUFFIX_K):
         self.min_match, self.max_match, self.sources = min_match, max_match, tuple(sources)
-        self.shared = "siblings" in self.sources
+        self.suffix_k = suffix_k
+        self.shared = any(source.reads_siblings for source in sources_named(self.sources))
         self.indexes: dict[tuple, tuple[PromptIndex, set[str]]] = {}
         self.key_of: dict[str, tuple] = {}   # member -> its prompt's key
 
@@ -192,11 +107,11 @@ class Siblings:
         ``drafts``): a view of its prompt's shared index."""
         if not self.shared:
             return DraftPool(prompt, drafts, self.min_match, self.max_match, self.sources,
-                             history, member=member, own_draft=own_draft)
+                             history, member=member, own_draft=own_draft, suffix_k=self.suffix_k)
         key = (tuple(prompt), tuple(map(tuple, drafts)), tuple(map(tuple, history)))
         if key not in self.indexes:
             self.indexes[key] = (PromptIndex(prompt, drafts, self.min_match, self.max_match,
-                                             self.sources, history), set())
+                                             self.sources, history, self.suffix_k), set())
         index, members = self.indexes[key]
         members.add(member)
         self.key_of[member] = key
@@ -232,7 +147,8 @@ class Continuation:
 
     ``token_cost`` (``spec.proposal_token_cost``, None: always up to ``k``): the cost of one
     proposed token as a fraction of a plain decode step (a step verifying j tokens costs
-    1 + token_cost * j steps). The sample then proposes the j in 0 .. k that maximises expected
+    1 + token_cost * j steps). The sample then proposes the j in 0 .. k (or what a ``suffix``
+    match offers) that maximises expected
     emitted tokens per cost, (1 - a^(j+1)) / (1 - a) / (1 + token_cost * j), with a its recent
     per-token acceptance (accepted tokens and rejections counted with a decay of ``DECAY`` per
     proposal, and one of each as a prior). When no j beats a plain step it proposes one token as
@@ -281,9 +197,9 @@ class Continuation:
         return {source: (p, a) for source, (p, a) in self.counts.items()}
 
     def propose(self, context: Sequence[int], budget: int) -> list[int]:
-        """Up to min(k, budget) tokens for the next decode step (``context``: the sample's text,
+        """Up to ``budget`` tokens for the next decode step (``context``: the sample's text,
         prompt + response; ``budget``: tokens the response may still take after the one this step
-        surely emits)."""
+        surely emits): the own draft's, else the pool's, as many as pay (``width``)."""
         self.pool.observe(context)
         own = self._draft_proposal(context, budget)
         if own:
@@ -292,26 +208,30 @@ class Continuation:
         if self._waiting > 0:
             self._waiting -= 1
             return []
-        width = self.width()
-        proposal, self._source = self.pool.propose(context, min(max(width, 1), budget))
-        if width == 0 and proposal:   # nothing pays: this was a one-token probe; now a pause
+        offered, self._source = self.pool.propose(context, self.k)
+        if not offered:
+            return []
+        width = self.width(len(offered))
+        if width == 0:   # nothing pays: propose one token as a probe, then pause
             self._pause = min(self.MAX_PAUSE, max(1, 2 * self._pause))
             self._waiting = self._pause
-        return proposal
+        return offered[:min(max(width, 1), budget)]
 
     @property
     def acceptance(self) -> float:
         """Recent per-token acceptance of the pool's proposals (1/2 before any)."""
         return (self._hits + 1) / (self._hits + self._rejections + 2)
 
-    def width(self) -> int:
-        """Pool tokens to propose next: ``k``, or with a ``token_cost`` the j in 0 .. k with the
-        most expected emitted tokens per step cost (0: none beats a plain step)."""
+    def width(self, limit: int | None = None) -> int:
+        """Pool tokens to propose of the ``limit`` (default ``k``) a match offers: all, or with a
+        ``token_cost`` the j in 0 .. limit with the most expected emitted tokens per step cost
+        (0: none beats a plain step)."""
+        limit = self.k if limit is None else limit
         if self.token_cost is None:
-            return self.k
+            return limit
         a, best, best_gain = self.acceptance, 0, 1.0
         emitted = term = 1.0
-        for j in range(1, self.k + 1):
+        for j in range(1, limit + 1):
             term *= a
             emitted += term
             gain = emitted / (1 + self.token_cost * j)

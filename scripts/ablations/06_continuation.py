@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import report
 import runner
-from megatron_bubblespec.config.schema import PROPOSAL_SOURCES
+from megatron_bubblespec.speculative.sources import SOURCES
 from megatron_bubblespec.metrics.formatting import count, percent
 
 STUDY = "06_continuation"
@@ -45,7 +45,7 @@ def main(argv=None) -> None:
                         "variant's), e.g. 3")
     p.add_argument("--sources", type=runner.csv(str), default=[],
                    help="extra continuation-on variants, one per source set (sources joined "
-                        f"by '+', or 'all' for {'+'.join(PROPOSAL_SOURCES)}), e.g. "
+                        f"by '+', or 'all' for {'+'.join(SOURCES)}), e.g. "
                         "bubble,self,siblings,all")
     p.add_argument("--proposal-token-cost", type=runner.csv(str), default=[],
                    help="extra continuation-on variants, one per spec.proposal_token_cost "
@@ -62,11 +62,11 @@ def main(argv=None) -> None:
                                  f"spec.proposal_token_cost={c}"])
                  for c in args.proposal_token_cost]
     for sources in args.sources:
-        chosen = PROPOSAL_SOURCES if sources == "all" else tuple(sources.split("+"))
-        unknown = sorted(set(chosen) - set(PROPOSAL_SOURCES))
+        chosen = SOURCES if sources == "all" else tuple(sources.split("+"))
+        unknown = sorted(set(chosen) - set(SOURCES))
         if unknown:
             p.error(f"--sources {sources}: unknown {unknown}; choose from "
-                    f"{', '.join(PROPOSAL_SOURCES)} or all")
+                    f"{', '.join(SOURCES)} or all")
         variants.append(runner.Variant(f"continuation from {sources}", [
             "ablation.speculative_continuation=true", f"spec.proposal_sources=[{','.join(chosen)}]"]))
     result = runner.run_study(STUDY, args, variants)

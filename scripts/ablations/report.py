@@ -14,7 +14,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from megatron_bubblespec.config.schema import PROPOSAL_SOURCES
+from megatron_bubblespec.speculative.sources import SOURCES
 from megatron_bubblespec.metrics.formatting import (MISSING, count, number, percent, scientific,
                                                      seconds, value)
 from megatron_bubblespec.metrics.reduce import mean_of
@@ -52,7 +52,7 @@ class SourcesColumn:
 
     def cell(self, summary: Summary) -> str:
         parts = []
-        for source in PROPOSAL_SOURCES:
+        for source in SOURCES:
             proposed = value(summary, f"continuation_proposed_tokens_{source}")
             if proposed > 0:
                 accepted = value(summary, f"continuation_accepted_tokens_{source}")
