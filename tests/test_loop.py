@@ -2,6 +2,7 @@
 on vs off gives the same tokens, losses and weights with fewer decode steps; drafts are made
 only in bubbles; corrupted drafts change nothing; config errors stop before any process starts."""
 
+import math
 import subprocess
 import sys
 import time
@@ -68,7 +69,7 @@ def test_drafts_verified_inside_the_rollout_give_the_off_run(engine_verified, ru
 def test_continuation_counts_add_up_over_its_sources(runs):
     """configs/tiny.yaml proposes from every source; the per-source counts sum to the totals."""
     on, off = runs
-    assert load_config(TINY).spec.proposal_sources == list(ALL_SOURCES)
+    assert set(load_config(TINY).spec.proposal_sources) == set(ALL_SOURCES)
     for record in on["records"]:
         for kind in ("proposed", "accepted"):
             total = record.get(f"spec/continuation_{kind}_tokens", 0)
@@ -243,3 +244,23 @@ def test_config_errors_exit_before_any_process_starts(override, key):
     assert proc.returncode == 2
     assert key in proc.stderr and "config error" in proc.stderr
     assert "init_process_group" not in proc.stderr and "rank" not in proc.stdout.lower()
+
+
+def test_measuring_extrapolated_draft_weights_leaves_the_run_unchanged(tmp_path, runs):
+    """ablation.measure_draft_weights evaluates weights extrapolated from the learner's last two
+    steps after each update, then puts the updated weights back: the off run's tokens, learner
+    fingerprints and final weights, bit for bit, with the two measurements logged from step 1 on
+    (step 0 has no earlier weights)."""
+    _, off = runs
+    probed = train(_cfg(tmp_path, "probe", "spec.enabled=false",
+                        "ablation.measure_draft_weights=true"), return_weights=True)
+    assert probed["rollouts"] == off["rollouts"]
+    for a, b in zip(probed["records"], off["records"]):
+        assert (a["exact/state_hash"], a["exact/batch_hash"], a["policy/drift_kl"]) == \
+            (b["exact/state_hash"], b["exact/batch_hash"], b["policy/drift_kl"]), a["step"]
+    for name, tensor in off["weights"].items():
+        assert torch.equal(probed["weights"][name], tensor), name
+    names = ("policy/draft_kl_half_step", "policy/draft_kl_full_step")
+    assert all(name not in probed["records"][0] for name in names)
+    for record in probed["records"][1:]:
+        assert all(record[name] >= 0 and math.isfinite(record[name]) for name in names), record

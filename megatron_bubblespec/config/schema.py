@@ -153,6 +153,9 @@ class AblationConfig:
     # each vLLM engine measures spec.proposal_token_cost at start-up instead, at its share of a
     # step's samples, and logs spec/proposal_token_cost
     measure_proposal_cost: bool = False
+    # the learner also measures how near weights extrapolated from its last two steps come to the
+    # next step's policy (train.draft_weights: policy/draft_kl_*_step)
+    measure_draft_weights: bool = False
 
 
 @dataclass

@@ -32,6 +32,7 @@ from megatron_bubblespec.models.architecture import ModelSpec, load_checkpoint, 
 from megatron_bubblespec.rollout.factory import build_engine, engine_options
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.speculative.bubble import BubbleDrafter
+from megatron_bubblespec.train.draft_weights import DraftWeightsProbe
 from megatron_bubblespec.speculative.factory import build_verifier
 from megatron_bubblespec.speculative.policy import DraftingPolicy
 from megatron_bubblespec.speculative.previous_epoch import ResponseMemory
@@ -78,6 +79,7 @@ class Replica:
     state: RunState
     policy: DraftingPolicy             # what is drafted, verified, proposed, remembered (on state)
     heartbeat: Heartbeat | None = None  # when the loop keeps one
+    draft_weights: DraftWeightsProbe | None = None   # ablation.measure_draft_weights
 
     @property
     def dp_rank(self) -> int:
@@ -200,4 +202,5 @@ def build_replica(cfg: Config) -> Replica:
     verifier = build_verifier(cfg, params, model=model, spec=spec, engine=engine)
     return Replica(cfg, spec, path, params, task, sampler, trainer, verifier, trainer.resharder(),
                    engine, drafter, engine_shard, layout, replica_group, world_group, state,
-                   policy)
+                   policy, draft_weights=DraftWeightsProbe()
+                   if cfg.ablation.measure_draft_weights else None)

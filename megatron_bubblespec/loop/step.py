@@ -36,6 +36,7 @@ from megatron_bubblespec.speculative.verifier import verify_drafts
 from megatron_bubblespec.train.grpo import group_advantages
 from megatron_bubblespec.train.onpolicy import check_on_policy
 from megatron_bubblespec.train.batch import GRPOBatch, gather_responses
+from megatron_bubblespec.train.draft_weights import k3
 
 
 @dataclass
@@ -65,7 +66,7 @@ def run_step(rep: Replica, step: int) -> StepOutput:
     rep.beat(step, "learn")
     rewards, reward_s = score_rewards(rep.task, rep.replica_group, plan.samples, results)
     sync_metrics, train_metrics = learn(rep.trainer, rep.engine_shard, cfg, plan, results,
-                                        rewards, version)                           # 5 learn
+                                        rewards, version, rep.draft_weights)                           # 5 learn
     rep.beat(step, "reshard")
     sync_metrics.update(reshard(rep.resharder, rep.engine_shard, rep.state,
                                 cfg.rollout.sleep_during_train))                    # 6 reshard
@@ -159,7 +160,7 @@ def _data_parallel_group():
 
 
 def learn(trainer, engine, cfg: Config, plan: StepPlan, results: list[RolloutResult], rewards,
-          version: int) -> tuple[dict, dict]:
+          version: int, probe=None) -> tuple[dict, dict]:
     """Stage 5: group advantages -> GRPO step on Megatron; engine-vs-Megatron gap (from the
     step's own forward, weights of ``version``) and policy drift (one more forward with the new
     weights). ``engine`` (this rank's engine or shard) sleeps meanwhile when the config asks.
@@ -178,16 +179,19 @@ def learn(trainer, engine, cfg: Config, plan: StepPlan, results: list[RolloutRes
     if cfg.rollout.sleep_during_train:   # the KV cache (and at level 2 the weights) freed
         engine.sleep(cfg.rollout.sleep_level)
     trainer.restore_training_state()     # after train.offload_during_rollout
+    if probe is not None:   # ablation.measure_draft_weights: W_t, for the next step's comparison
+        probe.before_step(trainer)
     metrics, before, raw_before = trainer.train_step(batch)   # Megatron's logprobs, weights t
     gap = check_on_policy(engine_logprobs, gather_responses(raw_before, batch.response_mask),
                           cfg.model.dtype, step=plan.step, weight_version=version)
     after = trainer.logprobs(batch.tokens, batch.response_mask)
-    mask, delta = batch.response_mask, after - before
+    mask = batch.response_mask
     # k3 estimator of KL(pi_t || pi_t+1) on tokens drawn from pi_t: non-negative, unbiased.
-    drift = float(((delta.exp() - 1 - delta) * mask).sum() / mask.sum().clamp_min(1))
+    drift = k3(after, before, mask)
+    measured = {} if probe is None else probe.measure(trainer, batch.tokens, mask, after)
     if cfg.train.offload_during_rollout:
         trainer.offload_training_state()     # the engines get the GPU until the next step
-    return {"sync/logprob_abs_diff": gap, "policy/drift_kl": drift}, metrics
+    return {"sync/logprob_abs_diff": gap, "policy/drift_kl": drift, **measured}, metrics
 
 
 def reshard(resharder, engine, state: RunState, asleep: bool) -> dict:

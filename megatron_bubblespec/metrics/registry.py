@@ -139,6 +139,10 @@ _METRICS = [
     Metric("train/lr", MEAN, scientific, "learning rate"),
     Metric("policy/drift_kl", MEAN, scientific, "KL between the policies of steps t-1 and t",
            "drift\nKL", over_run=mean_of),
+    Metric("policy/draft_kl_half_step", MEAN, scientific,
+           "k3 of the step's policy against W_t + (W_t - W_t-1) / 2", over_run=mean_of),
+    Metric("policy/draft_kl_full_step", MEAN, scientific,
+           "k3 of the step's policy against W_t + (W_t - W_t-1)", over_run=mean_of),
     Metric("spec/proposal_token_cost", MEAN, number, "cost of a proposal token"),
     # --- per-sample means, and the same on every engine
     Metric("spec/accepted_prefix_mean", WEIGHTED, number, "accepted prefix per drafted sample",
