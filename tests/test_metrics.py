@@ -57,7 +57,8 @@ RANKS = [
      "train/reward/correct": 0.0, "train/reward/format": 0.25,
      "train/reward_timeouts": 0, "train/reward_s": 1.5, "train/kl": 0.01, "train/grad_norm": 1.0,
      "train/lr": 1e-6, "policy/drift_kl": 0.002, "exact/weight_version": 3,
-     "spec/proposal_token_cost": 0.2, "memory/rss_peak_gb": 2.5},
+     "spec/proposal_token_cost": 0.2, "memory/rss_peak_gb": 2.5,
+     "policy/draft_kl_half_step": 0.001, "policy/draft_kl_full_step": 0.003},
     {"rollout/time_s": 12.0, "rollout/decode_steps": 120, "rollout/decode_steps_plain": 200,
      "rollout/tokens": 210, "rollout/max_response_len": 64,
      "bubble/idle_s": 0.0, "bubble/drafting_s": 0.0, "bubble/overshoot_s": 0.0,
@@ -169,6 +170,8 @@ def test_every_engine_metric_and_every_derived_one_reaches_the_record():
     assert rec["train/reward_timeouts"] == 1 and rec["train/reward_s"] == 2.5
     # measured per engine at start-up (ablation.measure_proposal_cost); an engine without one is left out
     assert close(rec["spec/proposal_token_cost"], 0.3)
+    # measured by the learner (ablation.measure_draft_weights): one rank's, as reported
+    assert close(rec["policy/draft_kl_full_step"], 0.003)
 
 
 def test_continuation_counts_are_kept_per_source_and_unknown_keys_are_refused():
