@@ -7,10 +7,10 @@ the project knows a source by name. Every source reads the same ``PromptTexts``:
 sequences, each of a corpus (``prompt``, ``drafts``, ``history``, ``responses``) and, for drafts and
 responses, the sample it belongs to, with one n-gram index over all of them (every n-gram, n in
 [min_match, max_match], -> per sequence the first and the last place it ended). A source answers
-``match(texts, member, context, lookup)`` with a ``Match``: how many of the context's last tokens it
-matched, in which sequence, and what followed. The pool takes the longest match; among equal
-lengths the earlier sequence, then the source registered first. Proposals are only proposals (the
-keyed verifier decides), so any source is exact.
+``match(texts, member, lookup)`` (``lookup``: the context's n-gram hits) with a ``Match``: how
+many of the context's last tokens it matched, in which sequence, and what followed. The pool takes
+the longest match; among equal lengths the earlier sequence, then the source registered first.
+Proposals are only proposals (the keyed verifier decides), so any source is exact.
 
 The sources:
 
