@@ -66,7 +66,7 @@ def run_step(rep: Replica, step: int) -> StepOutput:
     rep.beat(step, "learn")
     rewards, reward_s = score_rewards(rep.task, rep.replica_group, plan.samples, results)
     sync_metrics, train_metrics = learn(rep.trainer, rep.engine_shard, cfg, plan, results,
-                                        rewards, version, rep.draft_weights)                           # 5 learn
+                                        rewards, version, rep.draft_weights)        # 5 learn
     rep.beat(step, "reshard")
     sync_metrics.update(reshard(rep.resharder, rep.engine_shard, rep.state,
                                 cfg.rollout.sleep_during_train))                    # 6 reshard
@@ -163,7 +163,8 @@ def learn(trainer, engine, cfg: Config, plan: StepPlan, results: list[RolloutRes
           version: int, probe=None) -> tuple[dict, dict]:
     """Stage 5: group advantages -> GRPO step on Megatron; engine-vs-Megatron gap (from the
     step's own forward, weights of ``version``) and policy drift (one more forward with the new
-    weights). ``engine`` (this rank's engine or shard) sleeps meanwhile when the config asks.
+    weights). ``engine`` (this rank's engine or shard) sleeps meanwhile when the config asks;
+    ``probe`` (``ablation.measure_draft_weights``) also measures extrapolated drafting weights.
 
     The learner reads the engine's tokens and nothing else of it: the GRPO ratio's old logprobs
     are the step's own Megatron forward's (``train.batch``), so the weights do not depend on the
