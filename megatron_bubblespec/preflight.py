@@ -68,16 +68,16 @@ def preflight(cfg: Config) -> PreflightReport:
 
     check_registered(cfg)
     _check_vllm(cfg)
-    model_dir, spec = _check_model(cfg)
-    vocab_size = spec.vocab_size
-    check_layout(cfg, spec)
-    if cfg.model.max_model_len > spec.context_length:
-        how = (f"YaRN: {spec.yarn_original_max_position_embeddings} x {spec.yarn_factor:g}"
-               if spec.yarn_factor else "max_position_embeddings")
+    model_dir, arch = _check_model(cfg)
+    vocab_size = arch.vocab_size
+    check_layout(cfg, arch)
+    if cfg.model.max_model_len > arch.context_length:
+        how = (f"YaRN: {arch.yarn_original_max_position_embeddings} x {arch.yarn_factor:g}"
+               if arch.yarn_factor else "max_position_embeddings")
         raise PreflightError(
             f"model.max_model_len={cfg.model.max_model_len} exceeds the model's context of "
-            f"{spec.context_length} positions ({how}, config.json of {model_dir}); lower "
-            f"model.max_model_len to at most {spec.context_length}, or set YaRN rope scaling in "
+            f"{arch.context_length} positions ({how}, config.json of {model_dir}); lower "
+            f"model.max_model_len to at most {arch.context_length}, or set YaRN rope scaling in "
             "config.json (docs/long-context.md)")
     task = _build_task(cfg, vocab_size)
     if task.size < cfg.rollout.prompts_per_step:
@@ -186,11 +186,11 @@ def _check_vllm(cfg: Config) -> None:
 
 def _check_model(cfg: Config) -> tuple[Path | None, ModelSpec]:
     """(directory, shape) of model.path, after checking the directory."""
-    from megatron_bubblespec.models.architecture import CheckpointError, check_checkpoint, tiny_spec
+    from megatron_bubblespec.models.architecture import CheckpointError, check_checkpoint, tiny_arch
 
     m = cfg.model
     if m.path == "tiny":
-        return None, tiny_spec(m.tiny_vocab_size, m.tiny_hidden_size, m.tiny_layers,
+        return None, tiny_arch(m.tiny_vocab_size, m.tiny_hidden_size, m.tiny_layers,
                                max(m.max_model_len, 1024))
     if m.path == "smollm2":
         from megatron_bubblespec.models.smollm2 import smollm2_checkpoint
@@ -210,10 +210,10 @@ def _check_model(cfg: Config) -> tuple[Path | None, ModelSpec]:
     try:
         from megatron_bubblespec.data.registry import task_entry
 
-        spec = check_checkpoint(path, tokenizer=task_entry(cfg.data.task).chat)
+        arch = check_checkpoint(path, tokenizer=task_entry(cfg.data.task).chat)
     except CheckpointError as error:
         raise PreflightError(f"model.path={m.path!r}: {error}") from None
-    return path, spec
+    return path, arch
 
 
 def check_model_files(path: Path) -> list[str]:
@@ -348,41 +348,41 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_layout(cfg: Config, spec: ModelSpec) -> None:
-    """PreflightError unless Megatron can split ``spec`` over parallel.pipeline and
+def check_layout(cfg: Config, arch: ModelSpec) -> None:
+    """PreflightError unless Megatron can split ``arch`` over parallel.pipeline and
     parallel.tensor (the checks Megatron would otherwise fail with an assertion at build time)."""
     p, m = cfg.parallel, cfg.model
     tiny = m.path == "tiny"
     where = "the tiny model" if tiny else f"config.json of model.path={m.path!r}"
-    if spec.num_layers % p.pipeline:
+    if arch.num_layers % p.pipeline:
         fix = "model.tiny_layers to a multiple of it" if tiny else "another model"
         raise PreflightError(
-            f"parallel.pipeline={p.pipeline} does not divide the {spec.num_layers} layers of "
+            f"parallel.pipeline={p.pipeline} does not divide the {arch.num_layers} layers of "
             f"{where}: every pipeline stage holds the same number of layers. Set "
-            f"parallel.pipeline to one of {_divisors(spec.num_layers)} (with parallel.data and "
+            f"parallel.pipeline to one of {_divisors(arch.num_layers)} (with parallel.data and "
             f"parallel.world_size to match), or {fix}")
-    widths = (("attention heads (num_attention_heads)", spec.num_heads),
-              ("KV heads (num_key_value_heads)", spec.num_kv_heads),
-              ("MLP channels (intermediate_size)", spec.intermediate_size))
-    common = [d for d in _divisors(spec.num_heads)
-              if spec.num_kv_heads % d == 0 and spec.intermediate_size % d == 0]
+    widths = (("attention heads (num_attention_heads)", arch.num_heads),
+              ("KV heads (num_key_value_heads)", arch.num_kv_heads),
+              ("MLP channels (intermediate_size)", arch.intermediate_size))
+    common = [d for d in _divisors(arch.num_heads)
+              if arch.num_kv_heads % d == 0 and arch.intermediate_size % d == 0]
     for what, size in widths:
         if size % p.tensor:
             raise PreflightError(
                 f"parallel.tensor={p.tensor} does not divide the {size} {what} of {where}: every "
                 f"tensor-parallel rank holds the same share. Set parallel.tensor to one of "
                 f"{common} (with parallel.data and parallel.world_size to match)")
-    problems = check_expert_layout(spec, p.tensor, p.expert, p.data)
-    if spec.is_moe and p.tensor > 1 and not p.sequence_parallel:
+    problems = check_expert_layout(arch, p.tensor, p.expert, p.data)
+    if arch.is_moe and p.tensor > 1 and not p.sequence_parallel:
         problems.append(f"Megatron trains MoE layers at parallel.tensor={p.tensor} only with "
                         "parallel.sequence_parallel=true (which needs Transformer Engine or Apex "
                         "norms: a GPU); set it, or parallel.tensor=1 with parallel.expert")
     if problems:
         raise PreflightError(f"{where}: " + "; ".join(problems))
-    if cfg.rollout.engine == "reference" and (spec.qk_norm or spec.is_moe):
+    if cfg.rollout.engine == "reference" and (arch.qk_norm or arch.is_moe):
         raise PreflightError(
             f"rollout.engine=reference runs Llama and Qwen2 layers only; {where} is a "
-            f"{spec.arch} model (q/k norms or experts): use rollout.engine=vllm")
+            f"{arch.arch} model (q/k norms or experts): use rollout.engine=vllm")
 
 
 def check_world(world_size: int, cfg: Config, launcher: str = "the launcher") -> None:

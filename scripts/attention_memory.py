@@ -38,12 +38,12 @@ def _worker(fused: bool, tokens: int):
     if not fused:   # this process only: every layer runs the parent's computation
         attention.FusedCoreAttention.forward = DotProductAttention.forward
     init_distributed(1, 1, seed=1)
-    spec, tensors = load_checkpoint(smollm2_checkpoint())
+    arch, tensors = load_checkpoint(smollm2_checkpoint())
     with megatron_cpu_mode():
-        model = build_gpt_model(spec)
-        load_hf_weights(model, spec, tensors)
+        model = build_gpt_model(arch)
+        load_hf_weights(model, arch, tensors)
     del tensors
-    ids = torch.randint(0, spec.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, arch.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))
     before, start = _peak_gb(), time.perf_counter()
     with megatron_cpu_mode():
         logits = model(ids, torch.arange(tokens)[None], None)

@@ -45,8 +45,8 @@ TASKS = {"gsm8k": dict(name="gsm8k", split="train"), "arithmetic": dict(name="ar
          "code": dict(name="code")}
 
 
-def candidate(spec: str) -> tuple[str, float, float]:
-    task, temperature, top_p = spec.split(":")
+def candidate(text: str) -> tuple[str, float, float]:
+    task, temperature, top_p = text.split(":")
     if task not in TASKS:
         raise SystemExit(f"unknown task {task!r}: choose from {sorted(TASKS)}")
     return task, float(temperature), float(top_p)

@@ -125,8 +125,8 @@ def main(argv=None) -> int:
     cfg = load_config(args.config, ["spec.verifier=engine", "ablation.speculative_continuation=false",
                                     *args.overrides])
     path = resolve_model(cfg, 0)
-    spec, _ = load_checkpoint(path)
-    task = build_task(cfg, spec)
+    arch, _ = load_checkpoint(path)
+    task = build_task(cfg, arch)
     recorder = RowRecorder(args.full_rows, args.full_row_every)
     recorder.install()
     options = engine_options(cfg)

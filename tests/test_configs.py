@@ -175,8 +175,8 @@ def test_the_64k_moe_config_passes_preflight_on_its_yarn_checkpoint(monkeypatch)
                 monkeypatch)
     plain = ModelSpec.from_hf_config(hf)
     assert plain.context_length < cfg.model.max_model_len     # without YaRN it does not fit
-    spec = ModelSpec.from_hf_config(dict(hf, rope_scaling={
+    arch = ModelSpec.from_hf_config(dict(hf, rope_scaling={
         "rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32768}))
-    check_layout(cfg, spec)
-    assert spec.context_length == cfg.model.max_model_len == 65536
-    assert spec.yarn_attention_factor == pytest.approx(0.1 * math.log(2.0) + 1.0)
+    check_layout(cfg, arch)
+    assert arch.context_length == cfg.model.max_model_len == 65536
+    assert arch.yarn_attention_factor == pytest.approx(0.1 * math.log(2.0) + 1.0)

@@ -34,10 +34,10 @@ def _init(context_parallel: int, backend: str | None = None) -> None:
 
 def _refusal_worker(path):
     _init(2, backend="gloo")
-    spec, _ = load_checkpoint(path)
+    arch, _ = load_checkpoint(path)
     try:
         with megatron_cpu_mode():
-            build_gpt_model(spec)
+            build_gpt_model(arch)
         message = None
     except ValueError as err:
         message = str(err)
@@ -89,10 +89,10 @@ def _fp32_model(path, context_parallel):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     _init(context_parallel)
-    spec, tensors = load_checkpoint(path)
-    model = build_gpt_model(spec)
-    load_hf_weights(model, spec, tensors)
-    return spec, model
+    arch, tensors = load_checkpoint(path)
+    model = build_gpt_model(arch)
+    load_hf_weights(model, arch, tensors)
+    return arch, model
 
 
 def _forward_worker(path, context_parallel):
@@ -102,14 +102,14 @@ def _forward_worker(path, context_parallel):
     from megatron_bubblespec.sampling.requests import RolloutRequest
     from megatron_bubblespec.speculative.megatron_verifier import MegatronVerifier
 
-    spec, model = _fp32_model(path, context_parallel)
+    arch, model = _fp32_model(path, context_parallel)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (4, 37), generator=g)
     (logits,) = megatron_forward(model, tokens, lambda out, rows: out[..., :VOCAB].float().cpu())
     requests = [RolloutRequest(f"r{i}", tokens[i, :9].tolist(), sample_key(1, 0, i, 0), 28)
                 for i in range(4)]
     drafts = [tokens[i, 9:9 + 8 * (i + 1) // 2].tolist() for i in range(4)]
-    result = MegatronVerifier(model, spec, SamplingParams(1.0)).verification(requests, drafts)
+    result = MegatronVerifier(model, arch, SamplingParams(1.0)).verification(requests, drafts)
     destroy_distributed()
     return logits, (result.accepted.tolist(), result.next_token.tolist())
 
@@ -130,8 +130,8 @@ def _train_worker(path, context_parallel):
     from megatron_bubblespec.train.batch import GRPOBatch
     from megatron_bubblespec.train.trainer import MegatronTrainer, TrainerConfig
 
-    spec, model = _fp32_model(path, context_parallel)
-    trainer = MegatronTrainer(model, spec, TrainerConfig(lr=1e-4, micro_batch_size=2))
+    arch, model = _fp32_model(path, context_parallel)
+    trainer = MegatronTrainer(model, arch, TrainerConfig(lr=1e-4, micro_batch_size=2))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, VOCAB, (5,), generator=g).tolist() for _ in range(4)]
     responses = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (9, 16, 4, 12)]

@@ -28,11 +28,11 @@ def checkpoint(tiny_checkpoint):
 def _export_worker(path, out_root):
     """Each rank passes its own target directory, so a write by rank 1 would show."""
     world = init_distributed(1, 2, seed=0)
-    spec, tensors = load_checkpoint(path)
+    arch, tensors = load_checkpoint(path)
     with megatron_cpu_mode():
-        model = build_gpt_model(spec)
-        load_hf_weights(model, spec, tensors)
-    replica = SimpleNamespace(resharder=Resharder(model, spec, bucket_bytes=16 << 10),
+        model = build_gpt_model(arch)
+        load_hf_weights(model, arch, tensors)
+    replica = SimpleNamespace(resharder=Resharder(model, arch, bucket_bytes=16 << 10),
                               model_path=path)
     written = []
     real_write = export.write_shards

@@ -133,7 +133,7 @@ def cases(checkpoints):
     return {name: _make_case(*checkpoints, params) for name, params in PARAMS.items()}
 
 
-def _build(spec, tensors, dtype_name: str):
+def _build(arch, tensors, dtype_name: str):
     from megatron.core.transformer.module import Float16Module
 
     if dtype_name == "fp32":
@@ -141,12 +141,12 @@ def _build(spec, tensors, dtype_name: str):
         # the exact comparison with the reference engine into a gamble on near-ties.
         with (mock.patch.object(model_module, "_transformer_engine_available", return_value=False),
               megatron_cpu_mode()):
-            model = build_gpt_model(spec)
-            load_hf_weights(model, spec, tensors)
+            model = build_gpt_model(arch)
+            load_hf_weights(model, arch, tensors)
         return model
     with megatron_cpu_mode():
-        model = build_gpt_model(spec, params_dtype=torch.bfloat16)
-        load_hf_weights(model, spec, tensors)
+        model = build_gpt_model(arch, params_dtype=torch.bfloat16)
+        load_hf_weights(model, arch, tensors)
         return Float16Module(model.config, model)   # Megatron's bf16 wrapper (norms cast too)
 
 
@@ -186,14 +186,14 @@ def _gpu_worker(target, cases):
     peak = torch.tensor([0.5], device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     out = {"backend": dist.get_backend(), "reductions": probe.tolist() + peak.tolist(), "models": {}}
-    spec, tensors = load_checkpoint(target)
+    arch, tensors = load_checkpoint(target)
     for dtype_name in ("fp32", "bf16"):
-        model = _build(spec, tensors, dtype_name)
+        model = _build(arch, tensors, dtype_name)
         runs = {}
         for name, (requests, drafts) in cases.items():
             params = PARAMS[name]
-            whole = MegatronVerifier(model, spec, params)
-            micro = MegatronVerifier(model, spec, params, micro_batch_size=MICRO_BATCH)
+            whole = MegatronVerifier(model, arch, params)
+            micro = MegatronVerifier(model, arch, params, micro_batch_size=MICRO_BATCH)
             runs[name] = {
                 "verification": _as_tuple(whole.verification(requests, drafts)),
                 "micro": _as_tuple(micro.verification(requests, drafts)),

@@ -21,10 +21,10 @@ SCRIPT = ROOT / "scripts" / "gpu_check.py"
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
+    module_spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(module_spec)
     sys.modules["gpu_check"] = module
-    spec.loader.exec_module(module)
+    module_spec.loader.exec_module(module)
     yield module
     del sys.modules["gpu_check"]
 
@@ -174,9 +174,9 @@ def test_missing_requirements_leaves_torch_to_the_machine():
 @pytest.fixture()
 def gpu_env(monkeypatch, tmp_path):
     monkeypatch.setenv("GPU_CHECK_OUT", str(tmp_path))
-    spec = importlib.util.spec_from_file_location("gpu_env", ROOT / "scripts" / "gpu_env.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module_spec = importlib.util.spec_from_file_location("gpu_env", ROOT / "scripts" / "gpu_env.py")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
     return module
 
 

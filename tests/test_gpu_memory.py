@@ -74,10 +74,10 @@ def _two_steps(path, offload):
     from megatron_bubblespec.train.trainer import MegatronTrainer, TrainerConfig
 
     init_distributed(1, 1, seed=0)
-    spec, tensors = load_checkpoint(path)
-    model = build_gpt_model(spec, params_dtype=torch.float32)
-    load_hf_weights(model, spec, tensors)
-    trainer = MegatronTrainer(model, spec, TrainerConfig(lr=1e-3, micro_batch_size=2,
+    arch, tensors = load_checkpoint(path)
+    model = build_gpt_model(arch, params_dtype=torch.float32)
+    load_hf_weights(model, arch, tensors)
+    trainer = MegatronTrainer(model, arch, TrainerConfig(lr=1e-3, micro_batch_size=2,
                                                           grpo=GRPOConfig()))
     g = torch.Generator().manual_seed(0)
     prompts = [[5, 9, 11], [6, 9, 12]]

@@ -80,7 +80,7 @@ def _engine(path, dtype_name: str, on_gpu: bool):
                 "reference (CPU)", f"vllm not importable: {err}")
 
 
-def _build(spec, tensors, dtype_name: str):
+def _build(arch, tensors, dtype_name: str):
     from megatron.core.transformer.module import Float16Module
 
     from megatron_bubblespec.train.model import build_gpt_model
@@ -88,8 +88,8 @@ def _build(spec, tensors, dtype_name: str):
 
     dtype = torch.bfloat16 if dtype_name == "bfloat16" else torch.float32
     with megatron_cpu_mode():
-        model = build_gpt_model(spec, params_dtype=dtype)
-        load_hf_weights(model, spec, tensors)
+        model = build_gpt_model(arch, params_dtype=dtype)
+        load_hf_weights(model, arch, tensors)
     return model, (Float16Module(model.config, model) if dtype == torch.bfloat16 else model)
 
 
@@ -143,16 +143,16 @@ def run_step(path: str, drafts_path: str, dtype_name: str, device: str = "cuda")
     init_distributed(1, 1, seed=0, backend="nccl" if on_gpu else "gloo")
     timings = {}
     start = time.perf_counter()
-    spec, tensors = load_checkpoint(path)
-    model, forward_model = _build(spec, tensors, dtype_name)
-    trainer = MegatronTrainer(model, spec, TrainerConfig(lr=1e-4, micro_batch_size=4))
+    arch, tensors = load_checkpoint(path)
+    model, forward_model = _build(arch, tensors, dtype_name)
+    trainer = MegatronTrainer(model, arch, TrainerConfig(lr=1e-4, micro_batch_size=4))
     engine, engine_name, engine_note = _engine(path, dtype_name, on_gpu)
     timings["build_s"] = time.perf_counter() - start
 
     requests = _requests(1)
     drafts = [r.token_ids for r in ReferenceEngine(drafts_path).generate(requests, PARAMS)]
     start = time.perf_counter()
-    verdict = MegatronVerifier(forward_model, spec, PARAMS).verification(requests, drafts)
+    verdict = MegatronVerifier(forward_model, arch, PARAMS).verification(requests, drafts)
     timings["verify_s"] = time.perf_counter() - start
     fixed = []
     for r, d, a, t in zip(requests, drafts, verdict.accepted.tolist(), verdict.next_token.tolist()):

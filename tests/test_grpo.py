@@ -288,11 +288,11 @@ def _trainer(checkpoint, config=TRAIN):
     from megatron_bubblespec.train.model import build_gpt_model
     from megatron_bubblespec.train.sharding import load_hf_weights
 
-    spec, tensors = load_checkpoint(checkpoint)
+    arch, tensors = load_checkpoint(checkpoint)
     with megatron_cpu_mode():
-        model = build_gpt_model(spec)
-        load_hf_weights(model, spec, tensors)
-    return MegatronTrainer(model, spec, config)
+        model = build_gpt_model(arch)
+        load_hf_weights(model, arch, tensors)
+    return MegatronTrainer(model, arch, config)
 
 
 def _parallel_worker(checkpoint, batch, tp, pp, micro_batch_size, distributed_optimizer):
@@ -375,11 +375,11 @@ def _bf16_worker(checkpoint, batch):
     from megatron_bubblespec.train.sharding import load_hf_weights
 
     init_distributed(1, 1, seed=7)
-    spec, tensors = load_checkpoint(checkpoint)
+    arch, tensors = load_checkpoint(checkpoint)
     with megatron_cpu_mode():
-        model = build_gpt_model(spec, params_dtype=torch.bfloat16)
-        load_hf_weights(model, spec, tensors)
-    trainer = MegatronTrainer(model, spec, TRAIN)
+        model = build_gpt_model(arch, params_dtype=torch.bfloat16)
+        load_hf_weights(model, arch, tensors)
+    trainer = MegatronTrainer(model, arch, TRAIN)
     before = trainer.logprobs(batch.tokens, batch.response_mask)
     metrics = trainer.train_step(batch).metrics
     weights = {k: t.float() for k, t in trainer.resharder().named_tensors()}

@@ -225,8 +225,8 @@ def _model_dir(path, *, weights=True, tokenizer=True):
 
 
 def test_complete_directory_passes(tmp_path):
-    spec = check_checkpoint(_model_dir(tmp_path / "m"), tokenizer=True)
-    assert spec.arch == "llama" and spec.vocab_size == 49152
+    arch = check_checkpoint(_model_dir(tmp_path / "m"), tokenizer=True)
+    assert arch.arch == "llama" and arch.vocab_size == 49152
 
 
 def test_directory_without_weights(tmp_path):
@@ -275,13 +275,13 @@ def test_pytorch_bin_weights_load(tiny_checkpoint, tmp_path):
     import torch
 
     source = tiny_checkpoint(num_layers=1)
-    spec, tensors = load_checkpoint(source)
+    arch, tensors = load_checkpoint(source)
     target = tmp_path / "bin"
     target.mkdir()
     shutil.copy(source / "config.json", target)
     torch.save(tensors, target / "pytorch_model.bin")
-    spec_bin, tensors_bin = load_checkpoint(target)
-    assert spec_bin == spec and tensors_bin.keys() == tensors.keys()
+    arch_bin, tensors_bin = load_checkpoint(target)
+    assert arch_bin == arch and tensors_bin.keys() == tensors.keys()
     assert all(torch.equal(tensors[k], tensors_bin[k]) for k in tensors)
 
 

@@ -14,9 +14,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "length_survey.py"
 
 @pytest.fixture(scope="module")
 def survey():
-    spec = importlib.util.spec_from_file_location("length_survey", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module_spec = importlib.util.spec_from_file_location("length_survey", SCRIPT)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
     return module
 
 

@@ -109,7 +109,7 @@ def _corrupted_drafts_worker(cfg):
     replica = build_replica(cfg)
     run_step(replica, 0)
     g = torch.Generator().manual_seed(replica.dp_rank)
-    vocab = replica.spec.vocab_size
+    vocab = replica.arch.vocab_size
     queue = replica.state.drafts.state_dict()   # as a checkpoint stores it
     corrupted = []
     for index, key, version, tokens in queue["1"]:

@@ -30,13 +30,13 @@ def _tokens():
 
 def _megatron_worker(path, tp, pp):
     init_distributed(tp, pp, seed=3)
-    spec, tensors = load_checkpoint(path)
+    arch, tensors = load_checkpoint(path)
     with megatron_cpu_mode():
-        model = build_gpt_model(spec)
-        load_hf_weights(model, spec, tensors)
+        model = build_gpt_model(arch)
+        load_hf_weights(model, arch, tensors)
     logits = megatron_forward(model, _tokens(), lambda out, rows: gather_vocab(out)[..., :VOCAB],
                               micro_batch_size=2)
-    resharder = Resharder(model, spec, bucket_bytes=64 << 10)
+    resharder = Resharder(model, arch, bucket_bytes=64 << 10)
     hf_back = dict(resharder.named_tensors())
     stats = resharder.last
     destroy_distributed()
@@ -67,17 +67,17 @@ def test_megatron_logits_and_round_trip(checkpoint, tp, pp):
 def test_qkv_fusion_round_trip_and_layout():
     from megatron_bubblespec.models.architecture import ModelSpec
 
-    spec = ModelSpec("qwen2", 10, 8, 1, num_heads=4, num_kv_heads=2, head_dim=2,
+    arch = ModelSpec("qwen2", 10, 8, 1, num_heads=4, num_kv_heads=2, head_dim=2,
                      intermediate_size=4, rms_norm_eps=1e-6, rope_theta=1e4,
                      tie_word_embeddings=False, qkv_bias=True, max_position_embeddings=8)
     hf = "model.layers.0.self_attn."
     tensors = {hf + "q_proj.bias": torch.arange(8.0), hf + "k_proj.bias": 100 + torch.arange(4.0),
                hf + "v_proj.bias": 200 + torch.arange(4.0)}
     name = "decoder.layers.0.self_attention.linear_qkv.bias"
-    fused = to_megatron(name, tensors, spec, padded_vocab=16)
+    fused = to_megatron(name, tensors, arch, padded_vocab=16)
     # group 0: q heads 0,1 (rows 0-3), k head 0, v head 0; then group 1
     assert fused.tolist() == [0, 1, 2, 3, 100, 101, 200, 201, 4, 5, 6, 7, 102, 103, 202, 203]
-    back = dict(megatron_to_hf(name, fused, spec))
+    back = dict(megatron_to_hf(name, fused, arch))
     assert set(back) == set(tensors) and all(torch.equal(back[k], t) for k, t in tensors.items())
 
 

@@ -156,14 +156,14 @@ def _verified_from(requests, drafts, verification):
 
 def _verifier_worker(path, tp, pp, cases):
     init_distributed(tp, pp, seed=0)
-    spec, tensors = load_checkpoint(path)
+    arch, tensors = load_checkpoint(path)
     with megatron_cpu_mode():
-        model = build_gpt_model(spec)
-        load_hf_weights(model, spec, tensors)
+        model = build_gpt_model(arch)
+        load_hf_weights(model, arch, tensors)
     out = {"seconds": []}
     for name, (requests, drafts) in cases.items():
-        whole = MegatronVerifier(model, spec, PARAMS[name])
-        micro = MegatronVerifier(model, spec, PARAMS[name], micro_batch_size=MICRO_BATCH)
+        whole = MegatronVerifier(model, arch, PARAMS[name])
+        micro = MegatronVerifier(model, arch, PARAMS[name], micro_batch_size=MICRO_BATCH)
         out[name] = _as_tuple(whole.verification(requests, drafts))
         out[name + "/micro"] = _as_tuple(micro.verification(requests, drafts))
         verified = micro.verify(requests, drafts)   # the Verifier protocol: what the loop reads
@@ -172,11 +172,11 @@ def _verifier_worker(path, tp, pp, cases):
     requests, drafts, _ = _malformed_case()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        malformed = MegatronVerifier(model, spec, PARAMS["greedy"], micro_batch_size=3)
+        malformed = MegatronVerifier(model, arch, PARAMS["greedy"], micro_batch_size=3)
         out["malformed"] = _as_tuple(malformed.verification(requests, drafts))
     out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-    out["no-requests"] = _as_tuple(MegatronVerifier(model, spec, PARAMS["T1"]).verification([], []))
-    out["no-requests/verified"] = _as_verified(MegatronVerifier(model, spec,
+    out["no-requests"] = _as_tuple(MegatronVerifier(model, arch, PARAMS["T1"]).verification([], []))
+    out["no-requests/verified"] = _as_verified(MegatronVerifier(model, arch,
                                                                 PARAMS["T1"]).verify([], []))
     destroy_distributed()
     return out

@@ -48,12 +48,12 @@ def test_moe_with_dense_layers_is_refused(moe_checkpoint):
 
 
 def test_expert_layout_problems_name_both_numbers(moe_checkpoint):
-    spec = check_checkpoint(moe_checkpoint)             # 8 experts, moe_intermediate_size 64
-    assert check_expert_layout(spec, tensor=2, expert=2, data=2) == []
-    assert experts_per_rank(spec, 2) == 4
-    (problem,) = check_expert_layout(spec, tensor=1, expert=4, data=2)
+    arch = check_checkpoint(moe_checkpoint)             # 8 experts, moe_intermediate_size 64
+    assert check_expert_layout(arch, tensor=2, expert=2, data=2) == []
+    assert experts_per_rank(arch, 2) == 4
+    (problem,) = check_expert_layout(arch, tensor=1, expert=4, data=2)
     assert "parallel.expert=4" in problem and "data-parallel size 2" in problem
-    (problem,) = check_expert_layout(spec, tensor=1, expert=3, data=3)
+    (problem,) = check_expert_layout(arch, tensor=1, expert=3, data=3)
     assert "parallel.expert=3" in problem and "8 experts" in problem
     dense = ModelSpec("qwen3", 128, 64, 2, 4, 2, 32, 128, 1e-6, 1e4, False, False, 64, qk_norm=True)
     (problem,) = check_expert_layout(dense, tensor=1, expert=2, data=2)
@@ -71,11 +71,11 @@ def _router_gradient(path, load_balancing, coeff):
     from megatron_bubblespec.train.sharding import load_hf_weights
 
     init_distributed(1, 1, seed=0)
-    spec, tensors = load_checkpoint(path)
+    arch, tensors = load_checkpoint(path)
     tokens = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     with megatron_cpu_mode():
-        model = build_gpt_model(spec, **moe_options(load_balancing, coeff))
-        load_hf_weights(model, spec, tensors)
+        model = build_gpt_model(arch, **moe_options(load_balancing, coeff))
+        load_hf_weights(model, arch, tensors)
         model.train()
         logits = model(tokens, torch.arange(16).expand_as(tokens), None)
         logits.float().logsumexp(-1).mean().backward()
@@ -110,21 +110,21 @@ def test_preflight_names_the_expert_layout_problems(moe_checkpoint):
     from megatron_bubblespec.config import load_config
     from megatron_bubblespec.preflight import PreflightError, check_layout
 
-    spec = check_checkpoint(moe_checkpoint)
+    arch = check_checkpoint(moe_checkpoint)
     base = ["parallel.world_size=4", f"model.path={moe_checkpoint}"]
     check_layout(load_config("configs/tiny.yaml", [*base, "parallel.data=4",
-                                                   "parallel.expert=4"]), spec)
+                                                   "parallel.expert=4"]), arch)
     with pytest.raises(PreflightError, match="does not divide the model's 8 experts"):
         check_layout(load_config("configs/tiny.yaml", [*base, "parallel.world_size=3",
                                                        "parallel.data=3", "parallel.expert=3",
                                                        "rollout.prompts_per_step=3"]),
-                     spec)
+                     arch)
     with pytest.raises(PreflightError, match="only with parallel.sequence_parallel=true"):
         check_layout(load_config("configs/tiny.yaml", [*base, "parallel.tensor=2",
                                                        "parallel.data=2", "parallel.expert=2"]),
-                     spec)
+                     arch)
     with pytest.raises(PreflightError, match="rollout.engine=reference runs Llama and Qwen2"):
         check_layout(load_config("configs/tiny.yaml", [*base, "parallel.world_size=1",
                                                        "parallel.data=1",
                                                        "rollout.engine=reference"]),
-                     spec)
+                     arch)

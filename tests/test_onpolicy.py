@@ -42,11 +42,11 @@ def _megatron_logprobs(trainer, requests, results) -> list[list[float]]:
 
 def _stale_head_worker(path):
     init_distributed(1, 1, seed=0, backend="gloo")
-    spec, tensors = load_checkpoint(path)
+    arch, tensors = load_checkpoint(path)
     with megatron_cpu_mode():
-        model = build_gpt_model(spec)
-        load_hf_weights(model, spec, tensors)
-    trainer = MegatronTrainer(model, spec, TrainerConfig(lr=LR, micro_batch_size=4))
+        model = build_gpt_model(arch)
+        load_hf_weights(model, arch, tensors)
+    trainer = MegatronTrainer(model, arch, TrainerConfig(lr=LR, micro_batch_size=4))
     params = SamplingParams(1.0)
     synced, stale = ReferenceEngine(path), ReferenceEngine(path)
 

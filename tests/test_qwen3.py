@@ -43,26 +43,26 @@ def _tokens():
 
 def _worker(path, tp, ep):
     init_distributed(tp, 1, seed=3, expert_parallel=ep)
-    spec, tensors = load_checkpoint(path)
+    arch, tensors = load_checkpoint(path)
     with megatron_cpu_mode():
-        model = build_gpt_model(spec)
-        load_hf_weights(model, spec, tensors)
+        model = build_gpt_model(arch)
+        load_hf_weights(model, arch, tensors)
     logits = megatron_forward(model, _tokens(), lambda out, rows: gather_vocab(out)[..., :VOCAB],
                               micro_batch_size=2)
-    hf_back = dict(Resharder(model, spec, bucket_bytes=64 << 10).named_tensors())
+    hf_back = dict(Resharder(model, arch, bucket_bytes=64 << 10).named_tensors())
     peak = expert_parallel_max(torch.distributed.get_rank())
     destroy_distributed()
     return torch.cat(logits), hf_back, peak
 
 
-@pytest.mark.parametrize("arch,tp,ep,dp", [("qwen3", 2, 1, 1), ("qwen3_moe", 2, 1, 1),
-                                           ("qwen3_moe", 1, 2, 2), ("qwen3_moe", 2, 2, 2)],
+@pytest.mark.parametrize("family,tp,ep,dp", [("qwen3", 2, 1, 1), ("qwen3_moe", 2, 1, 1),
+                                             ("qwen3_moe", 1, 2, 2), ("qwen3_moe", 2, 2, 2)],
                          ids=["qwen3-tp2", "moe-tp2", "moe-ep2", "moe-ep2xtp2"])
-def test_logits_and_bit_exact_round_trip(checkpoints, arch, tp, ep, dp):
+def test_logits_and_bit_exact_round_trip(checkpoints, family, tp, ep, dp):
     from transformers import AutoModelForCausalLM
 
-    checkpoint = checkpoints[arch]
-    spec, tensors = load_checkpoint(checkpoint)
+    checkpoint = checkpoints[family]
+    arch, tensors = load_checkpoint(checkpoint)
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     with torch.no_grad():
         want = hf(_tokens()).logits
@@ -73,7 +73,7 @@ def test_logits_and_bit_exact_round_trip(checkpoints, arch, tp, ep, dp):
     for logits, hf_back, _ in results:   # every rank is a last stage and holds every HF tensor
         gap = float((logits - want).abs().max())
         assert gap <= ATOL, f"Megatron vs transformers logits differ by {gap:.2e} > {ATOL:.0e}; " \
-            + (MOE_NOTE if spec.is_moe else "a conversion error")
+            + (MOE_NOTE if arch.is_moe else "a conversion error")
         assert set(hf_back) == set(tensors)
         for name, tensor in tensors.items():
             assert torch.equal(hf_back[name], tensor), name
@@ -100,10 +100,10 @@ def _long_tokens():
 
 def _yarn_worker(path, tp):
     init_distributed(tp, 1, seed=3)
-    spec, tensors = load_checkpoint(path)
+    arch, tensors = load_checkpoint(path)
     with megatron_cpu_mode():
-        model = build_gpt_model(spec)
-        load_hf_weights(model, spec, tensors)
+        model = build_gpt_model(arch)
+        load_hf_weights(model, arch, tensors)
     logits = megatron_forward(model, _long_tokens(),
                               lambda out, rows: gather_vocab(out)[..., :VOCAB], micro_batch_size=2)
     destroy_distributed()
@@ -117,8 +117,8 @@ def test_yarn_logits_equal_transformers(yarn_checkpoint, tp):
     original context; plain RoPE on the same weights does not."""
     from transformers import AutoModelForCausalLM
 
-    spec, _ = load_checkpoint(yarn_checkpoint)
-    assert spec.yarn_factor == 4.0 and spec.yarn_attention_factor == pytest.approx(
+    arch, _ = load_checkpoint(yarn_checkpoint)
+    assert arch.yarn_factor == 4.0 and arch.yarn_attention_factor == pytest.approx(
         0.1 * torch.log(torch.tensor(4.0)).item() + 1.0)
     hf = AutoModelForCausalLM.from_pretrained(yarn_checkpoint, dtype=torch.float32)
     with torch.no_grad():

@@ -19,11 +19,11 @@ pytestmark = pytest.mark.slow
 
 def _manifest_worker(path):
     init_distributed(1, 1, seed=0)
-    spec, tensors = load_checkpoint(path)
+    arch, tensors = load_checkpoint(path)
     with megatron_cpu_mode():
-        model = build_gpt_model(spec)
-        load_hf_weights(model, spec, tensors)
-    resharder = Resharder(model, spec)
+        model = build_gpt_model(arch)
+        load_hf_weights(model, arch, tensors)
+    resharder = Resharder(model, arch)
     outcomes = {"intact": len(list(resharder.named_tensors()))}
     name, param = next(iter(model.named_parameters()))
     original = param.data

@@ -405,9 +405,9 @@ def test_parameters_are_the_tensors_of_a_checkpoint(family, tiny_checkpoint):
     from megatron_bubblespec.measure.sim.memory import parameters
     from megatron_bubblespec.models.architecture import load_checkpoint
 
-    spec, tensors = load_checkpoint(tiny_checkpoint(family, vocab_size=256))
-    assert spec.is_moe == (family == "qwen3_moe")
-    assert parameters(spec) == sum(t.numel() for t in tensors.values())
+    arch, tensors = load_checkpoint(tiny_checkpoint(family, vocab_size=256))
+    assert arch.is_moe == (family == "qwen3_moe")
+    assert parameters(arch) == sum(t.numel() for t in tensors.values())
 
 
 def test_qwen3_public_configs_give_the_known_models_shapes(tmp_path):

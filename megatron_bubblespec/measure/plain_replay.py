@@ -158,7 +158,7 @@ def initial_checkpoint(cfg, rank: int) -> Path:
     return resolve_model(cfg, rank)
 
 
-def step_requests(cfg, spec, rollouts) -> list[list[list]]:
+def step_requests(cfg, arch, rollouts) -> list[list[list]]:
     """``[step][engine]`` -> that rollout engine's samples as requests (engines in global order,
     each DP rank's samples round-robin over its replica's engines as ``RolloutLayout.share``
     deals them), from the run's task and lookahead sampler (prompt, sample key), each asking for
@@ -170,7 +170,7 @@ def step_requests(cfg, spec, rollouts) -> list[list[list]]:
     from megatron_bubblespec.sampling import sample_key
     from megatron_bubblespec.sampling.requests import RolloutRequest
 
-    task = build_task(cfg, spec)
+    task = build_task(cfg, arch)
     sampler = LookaheadSampler(cfg.run.seed, task.size, cfg.rollout.prompts_per_step,
                                cfg.parallel.data, cfg.rollout.samples_per_prompt)
 

@@ -1,1 +1,1 @@
-"""Model checkpoints: HF directories (tiny random or shipped SmolLM2) -> architecture spec + tensors."""
+"""Model checkpoints: HF directories (tiny random or shipped SmolLM2) -> ModelSpec + tensors."""

@@ -164,17 +164,17 @@ def check_checkpoint(path: str | Path, *, tokenizer: bool = False) -> ModelSpec:
         raise CheckpointError(f"model directory {path} does not exist; "
                               + COMPLETE_DIRECTORY.format(archs=sorted(SUPPORTED)))
     problems: list[str] = []
-    spec = _spec_problems(path, problems)
+    arch = _arch_problems(path, problems)
     weight_files(path, problems)
     if tokenizer:
         _tokenizer_problems(path, problems)
     if problems:
         raise CheckpointError(f"model directory {path} is incomplete: " + "; ".join(problems)
                               + ".\n" + COMPLETE_DIRECTORY.format(archs=sorted(SUPPORTED)))
-    return spec
+    return arch
 
 
-def _spec_problems(path: Path, problems: list[str]) -> ModelSpec | None:
+def _arch_problems(path: Path, problems: list[str]) -> ModelSpec | None:
     config = path / "config.json"
     if not config.is_file():
         problems.append("config.json is missing")
@@ -243,20 +243,20 @@ def load_checkpoint(path: str | Path) -> tuple[ModelSpec, dict[str, torch.Tensor
     """Read an HF directory (config.json + safetensors or .bin weights) into a ModelSpec and
     float tensors; CheckpointError if it is incomplete (see ``check_checkpoint``)."""
     path = Path(path)
-    spec = check_checkpoint(path)
+    arch = check_checkpoint(path)
     tensors: dict[str, torch.Tensor] = {}
     for shard in weight_files(path, []):
         if shard.suffix == ".safetensors":
             tensors.update(load_file(str(shard)))
         else:
             tensors.update(torch.load(shard, map_location="cpu", weights_only=True))
-    return spec, tensors
+    return arch, tensors
 
 
 TINY_HEADS, TINY_KV_HEADS, TINY_HEAD_DIM, TINY_INTERMEDIATE = 4, 2, 32, 128
 
 
-def tiny_spec(vocab_size: int, hidden_size: int, num_layers: int,
+def tiny_arch(vocab_size: int, hidden_size: int, num_layers: int,
               max_position_embeddings: int) -> ModelSpec:
     """The ModelSpec ``make_tiny_checkpoint`` writes for these sizes (its other defaults), without
     writing anything: what the preflight checks a tiny model's parallel layout against."""

@@ -11,28 +11,28 @@ from __future__ import annotations
 from megatron_bubblespec.models.architecture import ModelSpec
 
 
-def experts_per_rank(spec: ModelSpec, expert: int) -> int:
+def experts_per_rank(arch: ModelSpec, expert: int) -> int:
     """Experts of each MoE layer that one expert-parallel rank holds (0 for a dense model)."""
-    return spec.num_experts // expert if spec.is_moe else 0
+    return arch.num_experts // expert if arch.is_moe else 0
 
 
-def check_expert_layout(spec: ModelSpec, tensor: int, expert: int, data: int) -> list[str]:
+def check_expert_layout(arch: ModelSpec, tensor: int, expert: int, data: int) -> list[str]:
     """Every reason ``parallel.expert=expert`` cannot split this model at TP ``tensor`` and DP
     ``data``, each naming the numbers and the fix; empty when it can."""
     problems = []
-    if expert > 1 and not spec.is_moe:
+    if expert > 1 and not arch.is_moe:
         problems.append(f"parallel.expert={expert} needs a mixture-of-experts model; this "
-                        f"{spec.arch} model is dense: set parallel.expert=1")
+                        f"{arch.arch} model is dense: set parallel.expert=1")
         return problems
     if data % expert:
         problems.append(f"parallel.expert={expert} does not divide the data-parallel size {data}: "
                         "expert-parallel ranks are data-parallel ranks; choose a divisor of "
                         f"{data}")
-    if spec.is_moe and spec.num_experts % expert:
+    if arch.is_moe and arch.num_experts % expert:
         problems.append(f"parallel.expert={expert} does not divide the model's "
-                        f"{spec.num_experts} experts; choose a divisor of {spec.num_experts}")
-    if spec.is_moe and spec.moe_intermediate_size % tensor:
+                        f"{arch.num_experts} experts; choose a divisor of {arch.num_experts}")
+    if arch.is_moe and arch.moe_intermediate_size % tensor:
         problems.append(f"parallel.tensor={tensor} does not divide the experts' "
-                        f"moe_intermediate_size {spec.moe_intermediate_size} (each expert is "
+                        f"moe_intermediate_size {arch.moe_intermediate_size} (each expert is "
                         "split over the tensor-parallel ranks); choose a divisor of it")
     return problems

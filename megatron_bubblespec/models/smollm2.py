@@ -45,8 +45,9 @@ class SmolLM2Tokenizer(NamedTuple):
 
 def gguf_path() -> Path:
     """Where the shipped GGUF file is; FileNotFoundError (with the install command) if absent."""
-    spec = importlib.util.find_spec(PACKAGE)
-    path = Path(spec.origin).parent / GGUF_FILE if spec is not None and spec.origin else None
+    package = importlib.util.find_spec(PACKAGE)
+    path = (Path(package.origin).parent / GGUF_FILE
+            if package is not None and package.origin else None)
     if path is None or not path.is_file():
         raise FileNotFoundError(
             f"SmolLM2 weights not found ({GGUF_FILE} in the {PACKAGE} package folder); "

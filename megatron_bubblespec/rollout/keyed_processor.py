@@ -52,13 +52,13 @@ class KeyedLogitsProcessor(LogitsProcessor):
 
     @classmethod
     def validate_params(cls, sampling_params) -> None:
-        spec = (sampling_params.extra_args or {}).get(EXTRA_ARGS_KEY)
-        if spec is None:
+        keyed = (sampling_params.extra_args or {}).get(EXTRA_ARGS_KEY)
+        if keyed is None:
             return
-        missing = {"key", "offset", "temperature", "top_k", "top_p"} - set(spec)
+        missing = {"key", "offset", "temperature", "top_k", "top_p"} - set(keyed)
         if missing:
             raise ValueError(f"extra_args[{EXTRA_ARGS_KEY!r}] lacks {sorted(missing)}")
-        SamplingParams(spec["temperature"], spec["top_k"], spec["top_p"])  # validates
+        SamplingParams(keyed["temperature"], keyed["top_k"], keyed["top_p"])  # validates
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         self.vocab_size = vllm_config.model_config.get_vocab_size()
@@ -78,13 +78,13 @@ class KeyedLogitsProcessor(LogitsProcessor):
         for index in batch_update.removed:
             self.rows.pop(index, None)
         for index, params, _prompt, output_token_ids in batch_update.added:
-            spec = (params.extra_args or {}).get(EXTRA_ARGS_KEY) if params else None
-            if spec is None:
+            keyed = (params.extra_args or {}).get(EXTRA_ARGS_KEY) if params else None
+            if keyed is None:
                 self.rows.pop(index, None)
                 continue
             self.rows[index] = _Row(
-                spec["key"], spec["offset"],
-                SamplingParams(spec["temperature"], spec["top_k"], spec["top_p"]),
+                keyed["key"], keyed["offset"],
+                SamplingParams(keyed["temperature"], keyed["top_k"], keyed["top_p"]),
                 output_token_ids)
         for src, dst, direction in batch_update.moved:
             row_src, row_dst = self.rows.pop(src, None), self.rows.pop(dst, None)

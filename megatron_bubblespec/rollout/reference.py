@@ -69,9 +69,9 @@ class ReferenceEngine(RolloutEngine):
         nothing); ``keep_previous_weights``: also hold the policy before the latest
         ``update_weights`` (``previous_model``), the drafting policy that the residual and lenient
         rules need."""
-        spec, tensors = load_checkpoint(model_path)
-        self.model = TorchLlama(spec, tensors, dtype=dtype, max_model_len=max_model_len)
-        self.previous_model = (TorchLlama(spec, tensors, dtype=dtype, max_model_len=max_model_len)
+        arch, tensors = load_checkpoint(model_path)
+        self.model = TorchLlama(arch, tensors, dtype=dtype, max_model_len=max_model_len)
+        self.previous_model = (TorchLlama(arch, tensors, dtype=dtype, max_model_len=max_model_len)
                                if keep_previous_weights else None)
         self.continuation = c = continuation or off()
         self._waiting: list[tuple[RolloutRequest, SamplingParams]] = []

@@ -18,16 +18,16 @@ from megatron_bubblespec.models.architecture import ModelSpec
 class SlotKVCache:
     """Keys/values [layers] x [slots, kv_heads, capacity, head_dim], grown on demand."""
 
-    def __init__(self, spec: ModelSpec, capacity: int, dtype: torch.dtype):
-        self.spec, self.capacity, self.dtype = spec, capacity, dtype
+    def __init__(self, arch: ModelSpec, capacity: int, dtype: torch.dtype):
+        self.arch, self.capacity, self.dtype = arch, capacity, dtype
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.num_slots = 0
         self._free: list[int] = []
 
     def _grow(self, extra: int) -> None:
-        shape = (extra, self.spec.num_kv_heads, self.capacity, self.spec.head_dim)
-        new = [torch.zeros(shape, dtype=self.dtype) for _ in range(2 * self.spec.num_layers)]
+        shape = (extra, self.arch.num_kv_heads, self.capacity, self.arch.head_dim)
+        new = [torch.zeros(shape, dtype=self.dtype) for _ in range(2 * self.arch.num_layers)]
         if not self.keys:
             self.keys, self.values = new[::2], new[1::2]
         else:
@@ -59,31 +59,31 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class TorchLlama:
     """Forward of the Llama/Qwen2 family in plain torch (float32 or float64)."""
 
-    def __init__(self, spec: ModelSpec, tensors: dict[str, torch.Tensor],
+    def __init__(self, arch: ModelSpec, tensors: dict[str, torch.Tensor],
                  dtype: torch.dtype = torch.float32, max_model_len: int | None = None):
-        if spec.yarn_factor:
+        if arch.yarn_factor:
             raise ValueError("the reference engine has no YaRN rope scaling: use "
                              "rollout.engine=vllm for a model whose config.json sets it")
-        self.spec, self.dtype = spec, dtype
-        self.max_model_len = max_model_len or spec.max_position_embeddings
+        self.arch, self.dtype = arch, dtype
+        self.max_model_len = max_model_len or arch.max_position_embeddings
         self.weights: dict[str, torch.Tensor] = {}
         self.load(tensors.items())
-        self.cache = SlotKVCache(spec, self.max_model_len, dtype)
-        self.inv_freq = 1.0 / (spec.rope_theta ** (
-            torch.arange(0, spec.head_dim, 2, dtype=torch.float64) / spec.head_dim))
+        self.cache = SlotKVCache(arch, self.max_model_len, dtype)
+        self.inv_freq = 1.0 / (arch.rope_theta ** (
+            torch.arange(0, arch.head_dim, 2, dtype=torch.float64) / arch.head_dim))
 
     def expected_names(self) -> set[str]:
         names = {"model.embed_tokens.weight", "model.norm.weight"}
-        if not self.spec.tie_word_embeddings:
+        if not self.arch.tie_word_embeddings:
             names.add("lm_head.weight")
-        for i in range(self.spec.num_layers):
+        for i in range(self.arch.num_layers):
             p = f"model.layers.{i}."
             names |= {p + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
                                       "self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                       "self_attn.v_proj.weight", "self_attn.o_proj.weight",
                                       "mlp.gate_proj.weight", "mlp.up_proj.weight",
                                       "mlp.down_proj.weight")}
-            if self.spec.qkv_bias:
+            if self.arch.qkv_bias:
                 names |= {p + f"self_attn.{n}_proj.bias" for n in "qkv"}
         return names
 
@@ -97,12 +97,12 @@ class TorchLlama:
         expected = self.expected_names()
         staged: dict[str, torch.Tensor] = {}
         for name, tensor in named_tensors:
-            if name == "lm_head.weight" and self.spec.tie_word_embeddings:
+            if name == "lm_head.weight" and self.arch.tie_word_embeddings:
                 continue
             if name.endswith("rotary_emb.inv_freq"):
                 continue
             if name not in expected:
-                raise KeyError(f"unexpected tensor {name!r} for a {self.spec.arch} model")
+                raise KeyError(f"unexpected tensor {name!r} for a {self.arch.arch} model")
             if name in staged:
                 raise KeyError(f"tensor {name!r} sent twice")
             old = self.weights.get(name)
@@ -120,7 +120,7 @@ class TorchLlama:
         return self.weights[name]
 
     def _lm_head(self) -> torch.Tensor:
-        return self._w("model.embed_tokens.weight" if self.spec.tie_word_embeddings
+        return self._w("model.embed_tokens.weight" if self.arch.tie_word_embeddings
                        else "lm_head.weight")
 
     @torch.no_grad()
@@ -128,7 +128,7 @@ class TorchLlama:
                 lengths: torch.Tensor) -> torch.Tensor:
         """tokens [B, n] (row b valid up to lengths[b]) at positions starts[b] + j -> logits
         [B, n, V]."""
-        spec = self.spec
+        arch = self.arch
         b, n = tokens.shape
         positions = starts.view(-1, 1) + torch.arange(n)
         if int((starts + lengths).max()) > self.max_model_len:
@@ -141,17 +141,17 @@ class TorchLlama:
         span = int((starts + lengths).max())
         key_pos = torch.arange(span)
         mask = key_pos.view(1, 1, 1, -1) <= positions.view(b, 1, n, 1)
-        group = spec.num_heads // spec.num_kv_heads
+        group = arch.num_heads // arch.num_kv_heads
         x = self._w("model.embed_tokens.weight")[tokens.clamp(min=0)]
-        for i in range(spec.num_layers):
+        for i in range(arch.num_layers):
             p = f"model.layers.{i}."
-            h = _rms_norm(x, self._w(p + "input_layernorm.weight"), spec.rms_norm_eps)
+            h = _rms_norm(x, self._w(p + "input_layernorm.weight"), arch.rms_norm_eps)
             q, k, v = (torch.nn.functional.linear(
                 h, self._w(p + f"self_attn.{m}_proj.weight"),
                 self.weights.get(p + f"self_attn.{m}_proj.bias")) for m in "qkv")
-            q = q.view(b, n, spec.num_heads, spec.head_dim).transpose(1, 2)
-            k = k.view(b, n, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
-            v = v.view(b, n, spec.num_kv_heads, spec.head_dim).transpose(1, 2)
+            q = q.view(b, n, arch.num_heads, arch.head_dim).transpose(1, 2)
+            k = k.view(b, n, arch.num_kv_heads, arch.head_dim).transpose(1, 2)
+            v = v.view(b, n, arch.num_kv_heads, arch.head_dim).transpose(1, 2)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             cache_k, cache_v = self.cache.keys[i], self.cache.values[i]
@@ -159,15 +159,15 @@ class TorchLlama:
             cache_v[slots[rows], :, positions[rows, cols]] = v.transpose(1, 2)[rows, cols]
             keys = cache_k[slots, :, :span].repeat_interleave(group, dim=1)
             values = cache_v[slots, :, :span].repeat_interleave(group, dim=1)
-            scores = (q @ keys.transpose(-1, -2)) / spec.head_dim ** 0.5
+            scores = (q @ keys.transpose(-1, -2)) / arch.head_dim ** 0.5
             scores = scores.masked_fill(~mask, float("-inf"))
             attn = torch.softmax(scores, dim=-1) @ values
-            attn = attn.transpose(1, 2).reshape(b, n, spec.num_heads * spec.head_dim)
+            attn = attn.transpose(1, 2).reshape(b, n, arch.num_heads * arch.head_dim)
             x = x + torch.nn.functional.linear(attn, self._w(p + "self_attn.o_proj.weight"))
-            h = _rms_norm(x, self._w(p + "post_attention_layernorm.weight"), spec.rms_norm_eps)
+            h = _rms_norm(x, self._w(p + "post_attention_layernorm.weight"), arch.rms_norm_eps)
             gate = torch.nn.functional.linear(h, self._w(p + "mlp.gate_proj.weight"))
             up = torch.nn.functional.linear(h, self._w(p + "mlp.up_proj.weight"))
             x = x + torch.nn.functional.linear(torch.nn.functional.silu(gate) * up,
                                                self._w(p + "mlp.down_proj.weight"))
-        x = _rms_norm(x, self._w("model.norm.weight"), spec.rms_norm_eps)
+        x = _rms_norm(x, self._w("model.norm.weight"), arch.rms_norm_eps)
         return torch.nn.functional.linear(x, self._lm_head())

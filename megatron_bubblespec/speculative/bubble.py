@@ -30,7 +30,7 @@ from megatron_bubblespec.speculative.claims import ClaimPolicy
 from megatron_bubblespec.speculative.drafts import Draft
 from megatron_bubblespec.speculative.queue import SampleId
 
-if TYPE_CHECKING:   # an annotation only: spec sits below rollout
+if TYPE_CHECKING:   # an annotation only: speculative sits below rollout
     from megatron_bubblespec.rollout.base import RolloutEngine
 
 

@@ -12,19 +12,19 @@ from megatron_bubblespec.speculative.rules import rule_from_config
 from megatron_bubblespec.speculative.verifier import EngineVerifier, InRolloutVerifier, Verifier
 
 
-def build_verifier(cfg, params: SamplingParams, *, model=None, spec=None,
+def build_verifier(cfg, params: SamplingParams, *, model=None, arch=None,
                    engine=None) -> Verifier | None:
-    """The run's verifier: Megatron's (``model``, ``spec``) for the keyed rule with
+    """The run's verifier: Megatron's (``model``, ``arch``) for the keyed rule with
     ``spec.verifier: megatron``, else the engine's (inside the rollout on vLLM, ``engine`` before
     it on the reference engine); None when BubbleSpec is off."""
     s, a = cfg.spec, cfg.ablation
     if not s.enabled:
         return None
     if s.verifier == "engine" and cfg.rollout.engine == "vllm":
-        return InRolloutVerifier(spec.vocab_size)
+        return InRolloutVerifier(arch.vocab_size)
     rule = rule_from_config(cfg)
     if "megatron" in rule.rule.verifiers and s.verifier == "megatron":
-        return MegatronVerifier(model, spec, params, cfg.train.micro_batch_size)
+        return MegatronVerifier(model, arch, params, cfg.train.micro_batch_size)
     if engine is None:
         raise ValueError(f"spec.verifier={s.verifier!r} with ablation.rule={a.rule!r} verifies "
                          "in the rollout engine, and this rank has none; use spec.verifier=megatron with "

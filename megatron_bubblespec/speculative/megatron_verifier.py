@@ -14,7 +14,7 @@ vocab_size)
    position (they predict response positions ``len(prefix) ... len(prefix) + L``) go to
    ``speculative.verify.verify_keyed`` in its vocab-parallel form: each TP rank holds the global ids
    ``[tp_rank * V_local, (tp_rank + 1) * V_local)``, Megatron's vocabulary padding (ids >=
-   ``spec.vocab_size``) is excluded, and the draw is settled by an all-reduce MAX then MIN over
+   ``arch.vocab_size``) is excluded, and the draw is settled by an all-reduce MAX then MIN over
    the TP group (NCCL on GPU, gloo on CPU);
 4. EOS is settled per request (each request's own ``eos_token_ids``, inside ``verify_keyed``), and
    (accepted, next_token, finished) are broadcast from the last pipeline stage to every stage, so all ranks of the model
@@ -49,20 +49,20 @@ class MegatronVerifier:
     """Exact keyed verification of drafts by the Megatron model of this rank's replica (a
     ``speculative.verifier.Verifier``).
 
-    ``model`` is this rank's GPTModel piece (any TP/PP; wrapped modules work), ``spec`` its
-    ``ModelSpec`` (``spec.vocab_size`` is the real vocabulary, without Megatron's padding),
+    ``model`` is this rank's GPTModel piece (any TP/PP; wrapped modules work), ``arch`` its
+    ``ModelSpec`` (``arch.vocab_size`` is the real vocabulary, without Megatron's padding),
     ``params`` the sampling parameters of the keyed draws, ``micro_batch_size`` the split of the
     batch for the pipeline schedule (the batch is padded with dummy rows to a multiple of it).
     """
 
-    def __init__(self, model, spec, params: SamplingParams, micro_batch_size: int | None = None):
+    def __init__(self, model, arch, params: SamplingParams, micro_batch_size: int | None = None):
         from megatron.core import parallel_state as ps
 
         if ps.get_context_parallel_world_size() > 1:
             raise ValueError("MegatronVerifier does not support context parallelism (the logits "
                              "of a sequence would be split over ranks); use context_parallel=1 "
                              "on the verifying ranks")
-        self.model, self.spec = model, spec
+        self.model, self.arch = model, arch
         self.params, self.micro_batch_size = params, micro_batch_size
         # Under expert parallelism the forward is collective over replicas (the MoE layers'
         # token gather), so a replica without drafts still runs its part.
@@ -89,7 +89,7 @@ class MegatronVerifier:
                                  lambda logits, rows: None, self.micro_batch_size)
             empty = torch.zeros(0, dtype=torch.int64)
             return Verdict(empty, empty.clone(), torch.zeros(0, dtype=torch.bool))
-        batch = _Batch(requests, [request_draft(r, d, self.spec.vocab_size)
+        batch = _Batch(requests, [request_draft(r, d, self.arch.vocab_size)
                                   for r, d in zip(requests, drafts)])
         mbs = min(self.micro_batch_size or n, n)
         tokens = self._pack(batch.rows(), -(-n // mbs) * mbs)
@@ -126,7 +126,7 @@ class MegatronVerifier:
                 torch.tensor([r.key for r in requests], dtype=torch.int64, device=device),
                 torch.tensor([len(r.response_prefix) for r in requests], device=device),
                 self.params, [r.eos_token_ids for r in requests],
-                vocab_offset=tp_rank * local_vocab, vocab_size=self.spec.vocab_size,
+                vocab_offset=tp_rank * local_vocab, vocab_size=self.arch.vocab_size,
                 group=tp_group)
             return result.accepted.tolist(), result.next_token.tolist(), result.finished.tolist()
 

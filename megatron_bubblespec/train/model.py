@@ -69,16 +69,16 @@ def moe_options(load_balancing: str = "none", aux_loss_coeff: float = 0.0) -> di
     return {"moe_router_load_balancing_type": load_balancing, "moe_aux_loss_coeff": aux_loss_coeff}
 
 
-def _family_fields(spec: ModelSpec) -> dict:
+def _family_fields(arch: ModelSpec) -> dict:
     """TransformerConfig fields of the family beyond the Llama ones: q/k norms and the MoE layer."""
     from megatron.core import parallel_state as ps
 
-    fields = {"qk_layernorm": spec.qk_norm}
-    if spec.is_moe:
+    fields = {"qk_layernorm": arch.qk_norm}
+    if arch.is_moe:
         fields.update(
-            num_moe_experts=spec.num_experts, moe_router_topk=spec.experts_per_token,
-            moe_ffn_hidden_size=spec.moe_intermediate_size, moe_grouped_gemm=False,
-            moe_router_score_function="softmax", moe_router_pre_softmax=not spec.norm_topk_prob,
+            num_moe_experts=arch.num_experts, moe_router_topk=arch.experts_per_token,
+            moe_ffn_hidden_size=arch.moe_intermediate_size, moe_grouped_gemm=False,
+            moe_router_score_function="softmax", moe_router_pre_softmax=not arch.norm_topk_prob,
             moe_router_dtype="fp32", moe_token_dispatcher_type="allgather",
             expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
             expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
@@ -86,24 +86,24 @@ def _family_fields(spec: ModelSpec) -> dict:
     return fields
 
 
-def transformer_config(spec: ModelSpec, *, params_dtype: torch.dtype = torch.float32,
+def transformer_config(arch: ModelSpec, *, params_dtype: torch.dtype = torch.float32,
                        **overrides):
-    """The TransformerConfig of ``spec`` for this process (TP/PP sizes from parallel_state)."""
+    """The TransformerConfig of ``arch`` for this process (TP/PP sizes from parallel_state)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_bubblespec.distributed.world import megatron_config_overrides
 
     fields = dict(
-        num_layers=spec.num_layers, hidden_size=spec.hidden_size,
-        num_attention_heads=spec.num_heads, num_query_groups=spec.num_kv_heads,
-        kv_channels=spec.head_dim, ffn_hidden_size=spec.intermediate_size,
-        normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps, gated_linear_unit=True,
+        num_layers=arch.num_layers, hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_heads, num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim, ffn_hidden_size=arch.intermediate_size,
+        normalization="RMSNorm", layernorm_epsilon=arch.rms_norm_eps, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        add_qkv_bias=spec.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
+        add_qkv_bias=arch.qkv_bias, hidden_dropout=0.0, attention_dropout=0.0,
         params_dtype=params_dtype, pipeline_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16, fp16=params_dtype == torch.float16,
-        **_family_fields(spec), **megatron_config_overrides())
-    if not spec.is_moe:  # the load-balancing settings only exist for a router
+        **_family_fields(arch), **megatron_config_overrides())
+    if not arch.is_moe:  # the load-balancing settings only exist for a router
         for name in moe_options():
             overrides.pop(name, None)
     fields.setdefault("context_parallel_size", context_parallel_size())
@@ -113,7 +113,7 @@ def transformer_config(spec: ModelSpec, *, params_dtype: torch.dtype = torch.flo
     return TransformerConfig(**fields)
 
 
-def build_gpt_model(spec: ModelSpec, *, params_dtype: torch.dtype = torch.float32,
+def build_gpt_model(arch: ModelSpec, *, params_dtype: torch.dtype = torch.float32,
                     vocab_multiple: int = 128, **config_overrides):
     """A GPTModel holding this rank's shard (call inside ``megatron_cpu_mode()`` on CPU)."""
     from megatron.core import parallel_state as ps
@@ -122,15 +122,15 @@ def build_gpt_model(spec: ModelSpec, *, params_dtype: torch.dtype = torch.float3
 
     check_context_parallel(config_overrides.get("context_parallel_size", context_parallel_size()),
                            _transformer_engine_available())
-    problems = check_expert_layout(spec, ps.get_tensor_model_parallel_world_size(),
+    problems = check_expert_layout(arch, ps.get_tensor_model_parallel_world_size(),
                                    ps.get_expert_model_parallel_world_size(),
                                    ps.get_data_parallel_world_size())
     if problems:
         raise ValueError("; ".join(problems))
-    config = transformer_config(spec, params_dtype=params_dtype, **config_overrides)
-    _set_yarn(config, spec)
-    layers = dict(num_experts=spec.num_experts or None, moe_grouped_gemm=False,
-                  qk_layernorm=spec.qk_norm)
+    config = transformer_config(arch, params_dtype=params_dtype, **config_overrides)
+    _set_yarn(config, arch)
+    layers = dict(num_experts=arch.num_experts or None, moe_grouped_gemm=False,
+                  qk_layernorm=arch.qk_norm)
     if _transformer_engine_available():
         layer_spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**layers)
     else:
@@ -141,25 +141,25 @@ def build_gpt_model(spec: ModelSpec, *, params_dtype: torch.dtype = torch.float3
         layer_spec.submodules.self_attention.submodules.core_attention = FusedCoreAttention
     return GPTModel(
         config=config, transformer_layer_spec=layer_spec,
-        vocab_size=padded_vocab_size(spec.vocab_size, ps.get_tensor_model_parallel_world_size(),
+        vocab_size=padded_vocab_size(arch.vocab_size, ps.get_tensor_model_parallel_world_size(),
                                      vocab_multiple),
-        max_sequence_length=spec.context_length,
+        max_sequence_length=arch.context_length,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=spec.tie_word_embeddings,
-        position_embedding_type="yarn" if spec.yarn_factor else "rope",
-        rotary_base=int(spec.rope_theta))
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="yarn" if arch.yarn_factor else "rope",
+        rotary_base=int(arch.rope_theta))
 
 
-def _set_yarn(config, spec: ModelSpec) -> None:
+def _set_yarn(config, arch: ModelSpec) -> None:
     """megatron-core's YaRN rotary embedding reads its parameters from the config's ``yarn_*``
     attributes (GPTModel, and the attention's cos/sin scale). Its scale is the ratio of two
     mscales; an mscale_all_dim of 0 makes it exactly transformers' attention factor."""
-    if not spec.yarn_factor:
+    if not arch.yarn_factor:
         return
-    log = math.log(spec.yarn_factor) if spec.yarn_factor > 1 else 0.0
-    config.yarn_rotary_scaling_factor = spec.yarn_factor
-    config.yarn_original_max_position_embeddings = spec.yarn_original_max_position_embeddings
-    config.yarn_beta_fast, config.yarn_beta_slow = spec.yarn_beta_fast, spec.yarn_beta_slow
-    config.yarn_mscale = (spec.yarn_attention_factor - 1.0) / (0.1 * log) if log else 0.0
+    log = math.log(arch.yarn_factor) if arch.yarn_factor > 1 else 0.0
+    config.yarn_rotary_scaling_factor = arch.yarn_factor
+    config.yarn_original_max_position_embeddings = arch.yarn_original_max_position_embeddings
+    config.yarn_beta_fast, config.yarn_beta_slow = arch.yarn_beta_fast, arch.yarn_beta_slow
+    config.yarn_mscale = (arch.yarn_attention_factor - 1.0) / (0.1 * log) if log else 0.0
     config.yarn_mscale_all_dim = 0.0
-    config.yarn_correction_range_round_to_int = spec.yarn_truncate
+    config.yarn_correction_range_round_to_int = arch.yarn_truncate

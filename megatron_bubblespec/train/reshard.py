@@ -66,10 +66,10 @@ def _local_meta(model, stage: int, tp_size: int, etp_size: int) -> list[TensorMe
 class Resharder:
     """Streams the replica's full HF tensors on every one of its ranks."""
 
-    def __init__(self, model, spec: ModelSpec, bucket_bytes: int = 256 << 20):
+    def __init__(self, model, arch: ModelSpec, bucket_bytes: int = 256 << 20):
         from megatron.core import parallel_state as ps
 
-        self.model, self.spec, self.bucket_bytes = model, spec, bucket_bytes
+        self.model, self.arch, self.bucket_bytes = model, arch, bucket_bytes
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
         self.tp_size = ps.get_tensor_model_parallel_world_size()
@@ -99,7 +99,7 @@ class Resharder:
                     "rank of the same stage: every replica must build the same model and layout")
         for metas in by_stage.values():
             for meta in metas:
-                megatron_to_hf(meta.name, torch.empty(meta.full_shape), self.spec)  # maps or raises
+                megatron_to_hf(meta.name, torch.empty(meta.full_shape), self.arch)  # maps or raises
         return [m for stage in sorted(by_stage) for m in by_stage[stage]]
 
     def _gather_tp(self, meta: TensorMeta) -> torch.Tensor:
@@ -158,7 +158,7 @@ class Resharder:
         bucket, size = [], 0
         with torch.no_grad():
             for meta in self.metas:
-                if meta.name == "output_layer.weight" and self.spec.tie_word_embeddings:
+                if meta.name == "output_layer.weight" and self.arch.tie_word_embeddings:
                     continue  # the tied copy: HF has no lm_head
                 for hf_name, tensor in self._hf_tensors(meta):
                     nbytes = tensor.numel() * tensor.element_size()
@@ -178,7 +178,7 @@ class Resharder:
 
     def _hf_tensors(self, meta: TensorMeta) -> Iterator[tuple[str, torch.Tensor]]:
         for name, full in self._full(meta):
-            yield from megatron_to_hf(name, full, self.spec)
+            yield from megatron_to_hf(name, full, self.arch)
 
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for bucket in self.buckets():

@@ -106,7 +106,7 @@ def has_fused_norms(model) -> bool:
     return any(name.endswith("linear_qkv.layer_norm_weight") for name, _ in model.named_parameters())
 
 
-def load_hf_weights(model, spec, hf_tensors: dict[str, torch.Tensor]) -> None:
+def load_hf_weights(model, arch, hf_tensors: dict[str, torch.Tensor]) -> None:
     """HF tensors -> the full Megatron tensors this rank holds a piece of -> its shards, in place."""
     from megatron.core import parallel_state as ps
 
@@ -114,6 +114,6 @@ def load_hf_weights(model, spec, hf_tensors: dict[str, torch.Tensor]) -> None:
 
     offset = expert_offset(model)
     names = global_layer_names(model, offset).values()
-    full = hf_to_megatron(hf_tensors, spec, model.vocab_size, names)
+    full = hf_to_megatron(hf_tensors, arch, model.vocab_size, names)
     load_full_state_dict(model, full, ps.get_tensor_model_parallel_rank(),
                          ps.get_tensor_model_parallel_world_size(), expert_offset=offset)

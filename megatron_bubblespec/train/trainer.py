@@ -172,7 +172,7 @@ class TrainStep(NamedTuple):
 class MegatronTrainer:
     """GRPO learner on one TP x PP replica (and its data-parallel peers)."""
 
-    def __init__(self, model, spec: ModelSpec, config: TrainerConfig = TrainerConfig()):
+    def __init__(self, model, arch: ModelSpec, config: TrainerConfig = TrainerConfig()):
         from megatron.core.distributed import (
             DistributedDataParallel,
             DistributedDataParallelConfig,
@@ -181,7 +181,7 @@ class MegatronTrainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        self.module, self.spec, self.config = model, spec, config
+        self.module, self.arch, self.config = model, arch, config
         mconfig = model.config
         if mconfig.fp16:
             raise ValueError("MegatronTrainer trains float32 or bfloat16 models (fp16 would need "
@@ -250,7 +250,7 @@ class MegatronTrainer:
         mbs = micro_batch_size or self.config.micro_batch_size
         if len(tokens) % mbs:
             mbs = len(tokens)
-        result = forward_logprobs(model, tokens, self.spec.vocab_size, mbs, self.device,
+        result = forward_logprobs(model, tokens, self.arch.vocab_size, mbs, self.device,
                                   temperature)
         return result if response_mask is None else result * response_mask.cpu()
 
@@ -289,7 +289,7 @@ class MegatronTrainer:
         if cp:   # whole 2 x CP chunks
             batch = batch.padded_to(context_parallel_length(
                 batch.tokens.shape[1], model_config(self.module).sequence_parallel))
-        loss_step = GRPOLossStep(self.config.grpo, self.spec.vocab_size, cp,
+        loss_step = GRPOLossStep(self.config.grpo, self.arch.vocab_size, cp,
                                  self.config.temperature)
         lr = float(self.optimizer.param_groups[0]["lr"])
         with megatron_cpu_mode():
@@ -395,7 +395,7 @@ class MegatronTrainer:
         """A ``Resharder`` over the trained shard (full HF tensors on every rank of the replica)."""
         from megatron_bubblespec.train.reshard import Resharder
 
-        return Resharder(self.module, self.spec, **kwargs)
+        return Resharder(self.module, self.arch, **kwargs)
 
 
 __all__ = ["GRPOLossStep", "MegatronTrainer", "TrainStep", "TrainerConfig", "frozen_copy"]

@@ -61,24 +61,24 @@ class KVCapacity:
         return self.tokens // self.max_model_len
 
 
-def parameters(spec) -> float:
+def parameters(arch) -> float:
     """Parameters of a ``ModelSpec`` (Llama, Qwen2, Qwen3, Qwen3-MoE): embeddings (twice when
     untied), per layer the attention projections (+ QKV bias, + the q and k RMSNorms of
     ``head_dim`` each), the MLP and two norms, and the final norm. The MLP is one SwiGLU of
     ``intermediate_size``, or for a mixture of experts the router (``num_experts x hidden``) and
     ``num_experts`` SwiGLU experts of ``moe_intermediate_size`` (all of them: the total, not the
     parameters active per token)."""
-    h, q, kv = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    attention = 2 * h * q + 2 * h * kv + (q + 2 * kv if spec.qkv_bias else 0)
-    if spec.qk_norm:
-        attention += 2 * spec.head_dim
-    if spec.is_moe:
-        mlp = spec.num_experts * h + spec.num_experts * 3 * h * spec.moe_intermediate_size
+    h, q, kv = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    attention = 2 * h * q + 2 * h * kv + (q + 2 * kv if arch.qkv_bias else 0)
+    if arch.qk_norm:
+        attention += 2 * arch.head_dim
+    if arch.is_moe:
+        mlp = arch.num_experts * h + arch.num_experts * 3 * h * arch.moe_intermediate_size
     else:
-        mlp = 3 * h * spec.intermediate_size
+        mlp = 3 * h * arch.intermediate_size
     layer = attention + mlp + 2 * h
-    embeddings = spec.vocab_size * h * (1 if spec.tie_word_embeddings else 2)
-    return float(embeddings + spec.num_layers * layer + h)
+    embeddings = arch.vocab_size * h * (1 if arch.tie_word_embeddings else 2)
+    return float(embeddings + arch.num_layers * layer + h)
 
 
 def model_shape(path: str) -> ModelShape:
@@ -88,9 +88,9 @@ def model_shape(path: str) -> ModelShape:
     if config.is_file():
         from megatron_bubblespec.models.architecture import ModelSpec
 
-        spec = ModelSpec.from_hf_config(json.loads(config.read_text()))
-        return ModelShape(parameters(spec), spec.num_layers, spec.num_heads, spec.num_kv_heads,
-                          spec.head_dim)
+        arch = ModelSpec.from_hf_config(json.loads(config.read_text()))
+        return ModelShape(parameters(arch), arch.num_layers, arch.num_heads, arch.num_kv_heads,
+                          arch.head_dim)
     name = Path(path).name
     if name not in KNOWN_MODELS:
         raise ValueError(f"model {path!r}: no config.json there and not one of "
