@@ -46,13 +46,6 @@ def test_text_overrides_keep_their_text():
     (["train.tis_cap=0.5"], r"train.tis_cap=0.5 must be 0 \(off\) or >= 1"),
     (["train.tis_cap=2", "rollout.temperature=0.7"],
      "train.tis_cap=2 weighs tokens by Megatron's over the engine's probability"),
-    (["spec.draft_weights=future"], "spec.draft_weights"),
-    (["spec.draft_weights=extrapolated", "rollout.tensor_parallel=2", "parallel.world_size=2",
-      "parallel.tensor=2", "parallel.data=1"], "needs rollout.tensor_parallel=1"),
-    (["spec.draft_weights=extrapolated", "ablation.draft_source=previous_epoch"],
-     "needs ablation.draft_source=bubble"),
-    (["spec.draft_weights=extrapolated", "ablation.rule=residual", "spec.verifier=megatron",
-      "rollout.engine=reference"], "needs ablation.rule=keyed"),
     (["noequals"], "key=value"),
     (["bogus.key=1"], "bogus"),
 ])

@@ -183,23 +183,6 @@ def _check_continuation(cfg: Config) -> None:
                           f"{spec.max_match}")
 
 
-def _check_draft_weights(cfg: Config) -> None:
-    """Extrapolated drafting weights are loaded by a bubble's drafter into its own engine."""
-    if not (cfg.spec.enabled and cfg.spec.draft_weights == "extrapolated"):
-        return
-    needs = (("rollout.tensor_parallel=1", cfg.rollout.tensor_parallel == 1,
-              "the other ranks of a tensor-parallel engine would keep the current weights"),
-             ("ablation.draft_source=bubble", cfg.ablation.draft_source == "bubble",
-              "only bubble drafts are made by the engine"),
-             ("ablation.rule=keyed", cfg.ablation.rule == "keyed",
-              "the residual and lenient rules take the drafting policy to be the engine's "
-              "previous weights"))
-    for need, met, why in needs:
-        if not met:
-            raise ConfigError(f"spec.draft_weights=extrapolated needs {need} ({why}); set it, "
-                              "or spec.draft_weights=current")
-
-
 # ------------------------------------------------------------------------------ model and data
 
 def _check_model_dtype(cfg: Config) -> None:
@@ -254,7 +237,7 @@ def _check_learner(cfg: Config) -> None:
 RULES = (
     _check_choices, _check_bounds, _check_parallel_layout, _check_rollout_tensor_parallel,
     _check_gpu_memory_switches, _check_batch_invariance,
-    _check_prompt_groups, _check_verifier, _check_continuation, _check_draft_weights,
+    _check_prompt_groups, _check_verifier, _check_continuation,
     _check_learner,
     _check_model_dtype, _check_data, _check_resume,
 )

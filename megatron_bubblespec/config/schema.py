@@ -127,10 +127,6 @@ class SpecConfig:
     # first, its engine verifying the old draft as proposals (speculative.queue; engine verifier
     # only)
     refresh_drafts: bool = True
-    # the weights a bubble drafts with: current (W_t, the engine's own) | extrapolated (W_t +
-    # (W_t - W_{t-1}), nearer the next policy; loaded for the bubble only, two host copies of the
-    # model per engine: speculative.extrapolated)
-    draft_weights: str = "current"
 
 
 @dataclass
@@ -227,7 +223,6 @@ CHOICES = {
     "rollout.engine": ("vllm", "reference"),
     "parallel.order": ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"),
     "spec.verifier": ("megatron", "engine"),
-    "spec.draft_weights": ("current", "extrapolated"),
     "ablation.draft_source": ("bubble", "previous_epoch"),
     "ablation.draft_order": DRAFT_ORDERS,
     "data.split": ("train", "test"),

@@ -32,14 +32,13 @@ from megatron_bubblespec.models.architecture import ModelSpec, load_checkpoint, 
 from megatron_bubblespec.rollout.factory import build_engine, engine_options
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.speculative.bubble import BubbleDrafter
-from megatron_bubblespec.speculative.extrapolated import ExtrapolatedWeights
+from megatron_bubblespec.train.draft_weights import DraftWeightsProbe
 from megatron_bubblespec.speculative.factory import build_verifier
 from megatron_bubblespec.speculative.policy import DraftingPolicy
 from megatron_bubblespec.speculative.previous_epoch import ResponseMemory
 from megatron_bubblespec.speculative.queue import DraftQueue
 from megatron_bubblespec.speculative.samples import SampleBook
 from megatron_bubblespec.speculative.verifier import Verifier
-from megatron_bubblespec.train.draft_weights import DraftWeightsProbe
 from megatron_bubblespec.train.model import moe_options
 
 if TYPE_CHECKING:   # annotations only: these import megatron / the engines when built
@@ -80,9 +79,7 @@ class Replica:
     state: RunState
     policy: DraftingPolicy             # what is drafted, verified, proposed, remembered (on state)
     heartbeat: Heartbeat | None = None  # when the loop keeps one
-    draft_weights_probe: DraftWeightsProbe | None = None   # ablation.measure_draft_weights
-    # spec.draft_weights=extrapolated, engine leaders: the reshard feeds it, the drafter loads it
-    drafting_weights: ExtrapolatedWeights | None = None
+    draft_weights: DraftWeightsProbe | None = None   # ablation.measure_draft_weights
 
     @property
     def dp_rank(self) -> int:
@@ -191,11 +188,9 @@ def build_replica(cfg: Config) -> Replica:
         init_vllm_parallel_state(rollout_tp, layout.engine_ranks,       # every rank, before engines
                                  run_name=cfg.run.name)
     engine_shard = build_engine(path, **engine_options(cfg))
-    engine = drafter = drafting_weights = None
+    engine = drafter = None
     if layout.leads_engine:
         engine = engine_shard
-        if cfg.spec.enabled and cfg.spec.draft_weights == "extrapolated":
-            drafting_weights = ExtrapolatedWeights()
         if rollout_tp > 1:
             from megatron_bubblespec.distributed.vllm_groups import engine_cpu_group
             from megatron_bubblespec.loop.lockstep import LockstepEngine
@@ -203,11 +198,9 @@ def build_replica(cfg: Config) -> Replica:
             engine = LockstepEngine(engine_shard, engine_cpu_group())
         drafter = BubbleDrafter(default_store(), layout.num_engines, engine, params,
                                 policy.claims, timeout_s=cfg.spec.barrier_timeout_s,
-                                namespace=f"bubblespec/{cfg.run.name}",
-                                drafting_weights=drafting_weights)
+                                namespace=f"bubblespec/{cfg.run.name}")
     verifier = build_verifier(cfg, params, model=model, arch=arch, engine=engine)
     return Replica(cfg, arch, path, params, task, sampler, trainer, verifier, trainer.resharder(),
                    engine, drafter, engine_shard, layout, replica_group, world_group, state,
-                   policy, draft_weights_probe=DraftWeightsProbe()
-                   if cfg.ablation.measure_draft_weights else None,
-                   drafting_weights=drafting_weights)
+                   policy, draft_weights=DraftWeightsProbe()
+                   if cfg.ablation.measure_draft_weights else None)

@@ -66,10 +66,10 @@ def run_step(rep: Replica, step: int) -> StepOutput:
     rep.beat(step, "learn")
     rewards, reward_s = score_rewards(rep.task, rep.replica_group, plan.samples, results)
     sync_metrics, train_metrics = learn(rep.trainer, rep.engine_shard, cfg, plan, results,
-                                        rewards, version, rep.draft_weights_probe)  # 5 learn
+                                        rewards, version, rep.draft_weights)        # 5 learn
     rep.beat(step, "reshard")
     sync_metrics.update(reshard(rep.resharder, rep.engine_shard, rep.state,
-                                cfg.rollout.sleep_during_train, rep.drafting_weights))  # 6 reshard
+                                cfg.rollout.sleep_during_train))                    # 6 reshard
 
     if mine is None:      # a follower of a tensor-parallel engine: its leader reports
         return StepOutput(None, train_metrics, {})
@@ -195,16 +195,13 @@ def learn(trainer, engine, cfg: Config, plan: StepPlan, results: list[RolloutRes
     return {"sync/logprob_abs_diff": gap, "policy/drift_kl": drift, **measured}, metrics
 
 
-def reshard(resharder, engine, state: RunState, asleep: bool, drafting_weights=None) -> dict:
+def reshard(resharder, engine, state: RunState, asleep: bool) -> dict:
     """Stage 6: Megatron shards -> full HF tensors -> the engine (this rank's own engine or shard:
-    every rank of a TP engine loads its shard); weight version t -> t+1. ``drafting_weights``
-    (``spec.draft_weights=extrapolated``) keeps copies for the next bubble's drafting weights;
-    the engine's drafting weights, if it held them, are replaced here."""
+    every rank of a TP engine loads its shard); weight version t -> t+1."""
     if asleep:
         engine.wake_up(["weights"])
     state.weight_version += 1
-    stats = resharder.sync(engine, state.weight_version,
-                           watch=drafting_weights.watch if drafting_weights else None)
+    stats = resharder.sync(engine, state.weight_version)
     if asleep:
         engine.wake_up(["kv_cache"])
     _check_engine_version(engine, state.weight_version)

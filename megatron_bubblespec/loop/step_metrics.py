@@ -30,9 +30,7 @@ def bubble_metrics(stats: BubbleStats, drafted_anything: bool) -> dict:
             "bubble/engine_steps": stats.engine_steps,
             "bubble/new_tokens": stats.new_tokens,
             "bubble/refreshed_drafts": stats.refreshed,
-            "bubble/prefill_tokens": stats.prefill_tokens,
-            "bubble/draft_weights_loads": stats.draft_weights_loads,
-            "bubble/draft_weights_load_s": stats.draft_weights_load_s}
+            "bubble/prefill_tokens": stats.prefill_tokens}
 
 
 def engine_metrics(mine: EngineRollout, drafted: list[int], accepted: list[int],

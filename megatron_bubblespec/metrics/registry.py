@@ -102,10 +102,6 @@ _METRICS = [
     Metric("bubble/new_tokens", SUM, count, "new draft tokens"),
     Metric("bubble/refreshed_drafts", SUM, count, "complete drafts drafted again by newer weights"),
     Metric("bubble/prefill_tokens", SUM, count, "tokens prefilled for drafting"),
-    Metric("bubble/draft_weights_loads", SUM, count,
-           "extrapolated drafting weights loaded for a bubble"),
-    Metric("bubble/draft_weights_load_s", SUM, seconds,
-           "engine-seconds loading extrapolated drafting weights"),
     Metric("spec/drafted_samples", SUM, count, "samples with a draft"),
     Metric("spec/drafted_tokens", SUM, count, "drafted tokens", "drafts\ntok",
            over_run=total_of),
@@ -186,7 +182,7 @@ _METRICS = [
 # Kept per engine as ``rank{r}/<name>``, in this order (ratios recomputed per engine).
 _PER_ENGINE = ("bubble/idle_s", "bubble/drafting_s", "bubble/overshoot_s", "bubble/draftable_s",
                "bubble/engine_steps", "bubble/new_tokens", "bubble/refreshed_drafts",
-               "bubble/prefill_tokens", "bubble/draft_weights_loads", "bubble/draft_weights_load_s",
+               "bubble/prefill_tokens",
                "bubble/ratio", "bubble/utilization", "rollout/engine_steps", "rollout/time_s",
                "spec/drafted_tokens", "memory/rss_peak_gb")
 

@@ -28,7 +28,6 @@ from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
 from megatron_bubblespec.speculative.claims import ClaimPolicy
 from megatron_bubblespec.speculative.drafts import Draft
-from megatron_bubblespec.speculative.extrapolated import ExtrapolatedWeights
 from megatron_bubblespec.speculative.queue import SampleId
 
 if TYPE_CHECKING:   # an annotation only: speculative sits below rollout
@@ -47,8 +46,6 @@ class BubbleStats:
     new_tokens: int = 0          # tokens this bubble added to the drafts (beyond their prefixes)
     refreshed: int = 0           # complete drafts of older weights drafted again
     prefill_tokens: int = 0      # prompt + earlier-draft tokens the claimed requests prefilled
-    draft_weights_loads: int = 0   # extrapolated drafting weights loaded (spec.draft_weights)
-    draft_weights_load_s: float = 0.0
     last_to_arrive: bool = False
 
 
@@ -57,9 +54,9 @@ class BubbleDrafter:
 
     def __init__(self, store, num_engines: int, engine: RolloutEngine, params: SamplingParams,
                  claims: ClaimPolicy, *, timeout_s: float = 600.0, poll_s: float = 0.002,
-                 namespace: str = "bubblespec", drafting_weights: ExtrapolatedWeights | None = None):
+                 namespace: str = "bubblespec"):
         self.store, self.num_engines, self.engine, self.params = store, num_engines, engine, params
-        self.claims, self.drafting_weights = claims, drafting_weights
+        self.claims = claims
         self.timeout_s, self.poll_s, self.namespace = timeout_s, poll_s, namespace
         # prompt + draft tokens this engine ran, per sample
         self.computed: dict[SampleId, int] = {}
@@ -90,8 +87,6 @@ class BubbleDrafter:
         # request id -> (sample, key, prefix length, prompt length, the draft it refreshes)
         pending: dict[str, tuple[SampleId, int, int, int, tuple[int, ...]]] = {}
         self.computed = {s: n for s, n in self.computed.items() if s[0] > step}
-        if self.drafting_weights is not None and not cursor.exhausted:
-            self._load_drafting_weights(stats)
         while self.store.add(arrive, 0) < self.num_engines:
             self._check_timeout(step, arrive, arrived_at)
             self._claim(cursor, pending, stats)
@@ -112,13 +107,6 @@ class BubbleDrafter:
         stats.drafted_samples = sum(1 for d in drafts if d.tokens)
         stats.drafted_tokens = sum(len(d.tokens) for d in drafts)
         return [d for d in drafts if d.tokens], stats
-
-    def _load_drafting_weights(self, stats: BubbleStats) -> None:
-        """The engine drafts this bubble with weights nearer the next policy; the step's reshard
-        replaces them (their KV is cached under the drafting salt only: a proposal's)."""
-        if self.drafting_weights.load(self.engine):
-            stats.draft_weights_loads += 1
-            stats.draft_weights_load_s += self.drafting_weights.load_s
 
     def _check_timeout(self, step: int, arrive: str, arrived_at: float) -> None:
         if time.perf_counter() - arrived_at > self.timeout_s:

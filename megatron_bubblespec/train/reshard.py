@@ -184,14 +184,12 @@ class Resharder:
         for bucket in self.buckets():
             yield from bucket
 
-    def sync(self, engine=None, version: int | None = None, watch=None) -> ReshardStats:
+    def sync(self, engine=None, version: int | None = None) -> ReshardStats:
         """Stream every bucket into ``engine.update_weights`` (in-process transport), which then
         holds weight version ``version``; a rank without an engine still takes part in the gathers
-        and broadcasts (collective). ``watch`` (stream -> stream) sees every tensor on its way
-        (``speculative.extrapolated``)."""
+        and broadcasts (collective)."""
         if engine is not None:
-            stream = self.named_tensors()
-            engine.update_weights(watch(stream) if watch is not None else stream, version)
+            engine.update_weights(self.named_tensors(), version)
         else:
             for _ in self.buckets():
                 pass
