@@ -127,8 +127,13 @@ def test_resume_keeps_the_finished_runs_and_only_those(result):
     out, r = result
     again = bench(TINY, out, OVERRIDES, resume=True)  # nothing is missing: no process starts
     assert again["machine"]["reused"] == ["on", "off", "plain"]
-    assert "runs kept from an earlier bench (--resume): on, off, plain" in (
-        out / "bench.md").read_text()
+    md = (out / "bench.md").read_text()
+    assert "runs kept from an earlier bench (--resume): on, off, plain" in md
+    # each kept run still says when it ran and beside what load, from its own directory
+    assert again["machine"]["runs"] == r["machine"]["runs"]
+    for mode, record in r["machine"]["runs"].items():
+        assert record["started"] <= record["ended"] and record["wall_s"] > 0, mode
+        assert f"{mode} {record['started']} to {record['ended']}" in md
     for key in ("decode_steps_ratio", "throughput_vs_plain", "token_mismatch"):
         assert again[key] == pytest.approx(r[key]), key
     assert again["steady_state"]["throughput_vs_plain"] == pytest.approx(
@@ -195,6 +200,11 @@ def test_a_parted_bench_compares_the_steps_before_the_parting_only():
     assert "learners parted at step 1" in md
     same = markdown({**result, "parted_at_step": None, "learner_parted_at_step": None})
     assert "rolled out the same tokens at every step" in same and "parted" not in same
+    assert "runs:" not in md   # a bench from before the runs kept their own times
+    timed = markdown({**result, "machine": {**result["machine"], "runs": {
+        "on": {"started": "a", "ended": "b", "wall_s": 1.0, "loadavg_1_5_15": [1.0, 2.0, 3.0]},
+        "off": None}}})
+    assert "runs: on a to b, load average at its end 1.00 2.00 3.00." in timed
 
 
 def test_ratios_start_at_step_one_and_are_nan_without_data():

@@ -13,7 +13,10 @@ run, and the slowest taken per step; written as the run directory ``<run.name>-p
 with the same resolved config (:func:`finished_run`; the off run and its replay also serve other
 ``spec`` settings and KV blocks, which BubbleSpec off does not read) and runs only the missing
 ones, so a bench stopped during its last run does not redo the first two, and a study of spec
-settings reruns only the on run; ``machine.reused`` names the kept runs.
+settings reruns only the on run; ``machine.reused`` names the kept runs. Each run's own start, end
+and load average are written into its directory when it runs (``RUN_RECORD``) and read back into
+``machine.runs``, so a resumed bench, or one whose run directories were copied in, still says when
+and beside what load each of its runs ran.
 The comparison:
 
 * cost, over a step range: once over the steps >= 1 (the first step has no drafts to verify; the
@@ -89,12 +92,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import json
 import math
 import time
 from pathlib import Path
 from typing import Mapping, Sequence
 
-from megatron_bubblespec.machine import machine_info
+from megatron_bubblespec.machine import load_average, machine_info
 from megatron_bubblespec.measure.bench_report import SOURCE_COUNTS, markdown, markdown_summary
 from megatron_bubblespec.measure.sim.ceiling import (accept_per_token_lower_bound,
                                                      decode_steps_ratio_ceiling)
@@ -311,6 +315,7 @@ def bench(config_path: str | Path, out_dir: str | Path, overrides: Sequence[str]
     if plain:
         dirs["plain"] = str(out / f"{cfg.run.name}-plain")
         series["plain"] = _plain_records(cfg, out, resume and "off" in reused, reused)
+    run_records = {mode: _read_run_record(Path(d)) for mode, d in dirs.items()}
     mismatch, mismatch_samples = token_mismatch(runs["on"]["rollouts"], runs["off"]["rollouts"])
     parted = parted_at_step(runs["on"]["rollouts"], runs["off"]["rollouts"])
     steady_from = steady_state_first_step(cfg)
@@ -327,7 +332,7 @@ def bench(config_path: str | Path, out_dir: str | Path, overrides: Sequence[str]
         "parted_at_step": parted,
         "learner_parted_at_step": learner_parted_at_step(on, off),
         "machine": {**machine_info(), "started": started.isoformat(timespec="seconds"),
-                    "wall_s": time.perf_counter() - t0, "reused": reused},
+                    "wall_s": time.perf_counter() - t0, "reused": reused, "runs": run_records},
         "series": series,
     }
     _write_bench(out, result, steady_from)
@@ -347,7 +352,7 @@ def _paired_runs(config_path, overrides: list[str], name: str, out: Path,
                                             f"run.name={name}-{mode}", f"spec.enabled={enabled}"])
         runs[mode] = finished_run(run_cfg) if resume else None
         if runs[mode] is None:
-            runs[mode] = train(run_cfg)
+            runs[mode] = _recorded(out / f"{name}-{mode}", lambda: train(run_cfg))
         else:
             reused.append(mode)
     return runs, reused
@@ -365,7 +370,29 @@ def _plain_records(cfg, out: Path, keep: bool, reused: list[str]) -> list[dict]:
         if (kept := finished_run(off_cfg, cfg.run.steps)) is not None:
             reused.append("plain")
             return kept["records"]
-    return replay_plain(str(off), str(plain)).records
+    return _recorded(plain, lambda: replay_plain(str(off), str(plain))).records
+
+
+RUN_RECORD = "bench_run.json"   # in each run directory: when the run ran, and beside what load
+
+
+def _recorded(run_dir: Path, work):
+    """``work()``, with its start, end, wall time and the load average at its end written into
+    ``run_dir/RUN_RECORD`` (the directory stays the run's own, copied or resumed)."""
+    started, t0 = datetime.datetime.now().astimezone(), time.perf_counter()
+    result = work()
+    record = {"started": started.isoformat(timespec="seconds"),
+              "ended": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+              "wall_s": time.perf_counter() - t0, "loadavg_1_5_15": load_average()}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / RUN_RECORD).write_text(json.dumps(record) + "\n")
+    return result
+
+
+def _read_run_record(run_dir: Path) -> dict | None:
+    """A run's ``RUN_RECORD``; None for a run made before benches kept one."""
+    path = run_dir / RUN_RECORD
+    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def _write_bench(out: Path, result: dict, steady_from: int) -> None:

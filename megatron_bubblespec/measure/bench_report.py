@@ -159,6 +159,18 @@ def _regimes(result: Mapping[str, object]) -> str:
     return text
 
 
+def _run_times(runs: Mapping[str, dict | None]) -> list[str]:
+    """A line of each run's own start, end and load average at its end (what it shared the
+    machine with), where the run recorded them."""
+    known = [(mode, r) for mode, r in runs.items() if r]
+    if not known:
+        return []
+    return ["runs: " + "; ".join(
+        f"{mode} {r['started']} to {r['ended']}, load average at its end "
+        f"{' '.join(f'{x:.2f}' for x in r['loadavg_1_5_15'] or ()) or 'unknown'}"
+        for mode, r in known) + "."]
+
+
 def markdown(result: Mapping[str, object]) -> str:
     m = result["machine"]
     over = " ".join(result["overrides"]) or "(none)"
@@ -173,6 +185,7 @@ def markdown(result: Mapping[str, object]) -> str:
         f"{' '.join(f'{x:.2f}' for x in m['loadavg_1_5_15'] or ())}"
         + (f"; runs kept from an earlier bench (--resume): {', '.join(m['reused'])}."
            if m.get("reused") else "."),
+        *_run_times(m.get("runs") or {}),
         "",
         _regimes(result),
         "",
