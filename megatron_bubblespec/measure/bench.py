@@ -78,7 +78,8 @@ The comparison:
   run's first and last 4 steps), ``token_entropy_mean`` (mean of ``train/entropy`` over the on run's
   steps: the entropy of softmax(logits / T) at the sampled tokens' positions, before top-p);
 * context: ``name``, ``steps``, ``runs`` (the run directories: on, off and plain when replayed),
-  ``machine`` (cpu count, torch version, start and end date, wall time, load average),
+  ``machine`` (cpu count, torch version, start and end date, wall time, load average; ``reused``,
+  the runs kept by ``--resume``; ``runs``, each run's own start, end and load average),
   ``config``, ``overrides``, and ``series`` (the full per-step records of both runs and, when
   replayed, ``plain``'s: ``rollout/time_s`` the slowest rank's, ``rank<r>/rollout/time_s``,
   ``rollout/tokens``, ``rollout/decode_steps``, ``rollout/engine_steps``; NaN as null).
