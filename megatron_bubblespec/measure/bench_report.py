@@ -159,6 +159,11 @@ def _regimes(result: Mapping[str, object]) -> str:
     return text
 
 
+def _load_average(values) -> str:
+    """1, 5 and 15 minute load averages as the pages quote them ('' where none was read)."""
+    return " ".join(f"{x:.2f}" for x in values or ())
+
+
 def _run_times(runs: Mapping[str, dict | None]) -> list[str]:
     """A line of each run's own start, end and load average at its end (what it shared the
     machine with), where the run recorded them."""
@@ -167,7 +172,7 @@ def _run_times(runs: Mapping[str, dict | None]) -> list[str]:
         return []
     return ["runs: " + "; ".join(
         f"{mode} {r['started']} to {r['ended']}, load average at its end "
-        f"{' '.join(f'{x:.2f}' for x in r['loadavg_1_5_15'] or ()) or 'unknown'}"
+        f"{_load_average(r['loadavg_1_5_15']) or 'unknown'}"
         for mode, r in known) + "."]
 
 
@@ -182,7 +187,7 @@ def markdown(result: Mapping[str, object]) -> str:
         f"machine: {m['cpus_usable']} of {m['cpu_count']} CPUs, torch {m['torch']}, "
         f"{m['cuda'] or 'no GPU'}, {m['started']} to {m['date']} ({m['wall_s']:.0f} s), "
         f"load average at the end "
-        f"{' '.join(f'{x:.2f}' for x in m['loadavg_1_5_15'] or ())}"
+        f"{_load_average(m['loadavg_1_5_15'])}"
         + (f"; runs kept from an earlier bench (--resume): {', '.join(m['reused'])}."
            if m.get("reused") else "."),
         *_run_times(m.get("runs") or {}),
