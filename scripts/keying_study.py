@@ -180,9 +180,9 @@ def replay(draft: list[int], response: list[int], *, cap: int = 32, min_match: i
         for end in range(m, len(draft) + 1):
             index.setdefault(tuple(draft[end - m:end]), []).append(end)
     prefix = common_prefix(draft, response)
-    i, steps, steps_after, covered, pointer, last_aligned = 0, 0, 0, 0, 0, 0
+    i, steps, steps_after, covered, covered_after, pointer, last_aligned = 0, 0, 0, 0, 0, 0, 0
     while i < len(response):
-        steps_after += i > prefix
+        after = i > prefix          # past the first divergence and the token drawn there
         if pointer is None and i >= min_match:
             for m in range(min(max_match, i), min_match - 1, -1):
                 places = index.get(tuple(response[i - m:i]))
@@ -193,7 +193,9 @@ def replay(draft: list[int], response: list[int], *, cap: int = 32, min_match: i
         proposal = draft[pointer:pointer + cap] if pointer is not None else []
         accepted = common_prefix(proposal, response[i:])
         covered += accepted
+        covered_after += accepted if after else 0
         steps += 1
+        steps_after += after
         i += accepted
         drew = i < len(response)    # the step's own draw, unless the proposal ended the response
         i += drew
@@ -208,7 +210,7 @@ def replay(draft: list[int], response: list[int], *, cap: int = 32, min_match: i
                 last_aligned = max(last_aligned, nxt)
                 pointer = None
     return {"tokens": len(response), "prefix": prefix, "covered": covered, "steps": steps,
-            "steps_after": steps_after}
+            "covered_after": covered_after, "steps_after": steps_after}
 
 
 def totals(rows: list[dict]) -> dict:
@@ -222,7 +224,7 @@ def totals(rows: list[dict]) -> dict:
             "prefix_share": prefix / tokens,
             "covered_share": sum(r["covered"] for r in rows) / tokens,
             "steps_per_token": sum(r["steps"] for r in rows) / tokens,
-            "realigned_share": sum(r["covered"] - r["prefix"] for r in rows) / max(after, 1),
+            "realigned_share": sum(r["covered_after"] for r in rows) / max(after, 1),
             "steps_per_token_after": sum(r["steps_after"] for r in rows) / max(after, 1)}
 
 
@@ -326,6 +328,7 @@ def main(argv=None) -> int:
                        for i in range(0, len(rows), group)]
             pair["keyings"][name] = {"all": totals(rows), "longest": totals(longest),
                                      "rows": rows, "longest_rows": longest,
+                                     "drafts": drafts, "rollouts": rollouts,
                                      "seconds": round(time.time() - t0, 1)}
             a = pair["keyings"][name]["all"]
             print(f"pair {before}->{after} {name:9s}: prefix {a['prefix_share']:.3f} covered "
@@ -356,20 +359,26 @@ def interval(rows: list[dict], statistic: str, draws: int = 2000, seed: int = 0)
 def report(pairs: list[dict], names: list[str]) -> str:
     """The markdown table over every pair: all responses, and each step's longest; the shares
     after divergence with their bootstrap 90 % intervals."""
-    lines = ["| keying | responses (longest) | prefix share | covered share | steps / token | "
-             "realigned after divergence | steps / token after divergence | longest: covered | "
-             "longest: steps / token |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| keying | responses (longest) | prefix share | covered share | engine steps / token | "
+             "realigned after divergence | engine steps / token after divergence | longest: "
+             "covered | longest: realigned after divergence | longest: engine steps / token after "
+             "divergence |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def with_interval(rows, shares, statistic):
+        low, high = interval(rows, statistic)
+        return f"{shares[statistic]:.3f} ({low:.3f}-{high:.3f})"
+
     for name in names:
         rows = [row for p in pairs for row in p["keyings"][name]["rows"]]
         longest = [row for p in pairs for row in p["keyings"][name]["longest_rows"]]
         a, lt = totals(rows), totals(longest)
-        r_lo, r_hi = interval(rows, "realigned_share")
-        s_lo, s_hi = interval(rows, "steps_per_token_after")
-        lines.append(f"| {name} | {a['responses']} ({lt['responses']}) | {a['prefix_share']:.3f} | "
-                     f"{a['covered_share']:.3f} | {a['steps_per_token']:.3f} | "
-                     f"{a['realigned_share']:.3f} ({r_lo:.3f}-{r_hi:.3f}) | "
-                     f"{a['steps_per_token_after']:.3f} ({s_lo:.3f}-{s_hi:.3f}) | "
-                     f"{lt['covered_share']:.3f} | {lt['steps_per_token']:.3f} |")
+        lines.append(" | ".join([
+            f"| {name}", f"{a['responses']} ({lt['responses']})", f"{a['prefix_share']:.3f}",
+            f"{a['covered_share']:.3f}", f"{a['steps_per_token']:.3f}",
+            with_interval(rows, a, "realigned_share"),
+            with_interval(rows, a, "steps_per_token_after"), f"{lt['covered_share']:.3f}",
+            with_interval(longest, lt, "realigned_share"),
+            with_interval(longest, lt, "steps_per_token_after")]) + " |")
     return "\n".join(lines)
 
 
