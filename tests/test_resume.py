@@ -114,6 +114,8 @@ def test_sigusr1_checkpoints_and_exits_for_requeue(uninterrupted):
     os.killpg(proc.pid, signal.SIGUSR1)   # what Slurm sends before the time limit
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    # multiprocessing's resource tracker shares the job's process group and outlives the signal
+    assert "process died unexpectedly" not in err, err[-3000:]
     saved = latest_checkpoint(run.checkpoints)
     assert saved is not None, "no complete checkpoint after the preemption signal"
     done = int(saved.name.split("_")[1])

@@ -68,6 +68,7 @@ def launch_local(fn, world_size: int, *args, env: dict | None = None) -> list:
     """
     rank_env = {"OMP_NUM_THREADS": "1"}
     rank_env.update(env or {})
+    start_resource_tracker_deaf_to_usr1()
     with tempfile.TemporaryDirectory(prefix="bubblespec-launch-") as outdir:
         context = mp.start_processes(_rank_entry, args=(fn, world_size, free_port(), outdir,
                                                         rank_env, args),
@@ -103,6 +104,26 @@ def _start_method() -> str:
     if method == "forkserver":
         mp.set_forkserver_preload([PRELOAD])
     return method
+
+
+def start_resource_tracker_deaf_to_usr1() -> None:
+    """Start multiprocessing's resource tracker with SIGUSR1 ignored.
+
+    The tracker is in the job's process group, so a SIGUSR1 sent to the whole job reaches it too.
+    It ignores only SIGINT and SIGTERM, so SIGUSR1 killed it, and the ranks relaunched it while
+    they stopped at the checkpoint. An ignored signal stays ignored across the tracker's exec.
+    A tracker already running is kept as it is.
+    """
+    from multiprocessing import resource_tracker
+
+    if threading.current_thread() is not threading.main_thread():
+        resource_tracker.ensure_running()
+        return
+    previous = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
 
 
 def forward_signals(pids: list[int]) -> dict:
