@@ -58,6 +58,7 @@ from megatron_bubblespec.rollout.torch_llama import TorchLlama
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.sampling.keyed import MASK32, perturbed_scores
 from megatron_bubblespec.sampling.requests import settle_eos
+from megatron_bubblespec.speculative.bubble import common_prefix
 from megatron_bubblespec.speculative.samples import SampleBook
 from megatron_bubblespec.data.lookahead import LookaheadSampler
 from megatron_bubblespec.splitmix import chain
@@ -158,15 +159,6 @@ def generate(model: TorchLlama, prompts: list[list[int]], keys: list[int], eos: 
 
 
 # -------------------------------------------------------------------------------------- replay
-
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
 
 def replay(draft: list[int], response: list[int], *, cap: int = 32, min_match: int = 3,
            max_match: int = 8) -> dict:

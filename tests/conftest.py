@@ -108,6 +108,17 @@ def tiny_runs(tmp_path_factory):
     return SimpleNamespace(root=root, on=run("spec-on"), off=run("spec-off", "spec.enabled=false"))
 
 
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module (scripts are not a package), for testing its functions."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """A factory of tiny random HF checkpoints written by transformers, one per distinct

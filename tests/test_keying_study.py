@@ -4,9 +4,7 @@ that meets the draft's text again, and its replay counts what a draft saves."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 
@@ -16,15 +14,12 @@ from megatron_bubblespec.rollout.torch_llama import TorchLlama
 from megatron_bubblespec.sampling import SamplingParams, sample_key
 from megatron_bubblespec.sampling.requests import RolloutRequest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "keying_study.py"
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def study():
-    module_spec = importlib.util.spec_from_file_location("keying_study", SCRIPT)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
+    return load_script("keying_study")
 
 
 def _words(keying, prompt, response):

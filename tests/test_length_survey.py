@@ -3,21 +3,15 @@ the length variance that prompt identity explains, the share at the budget."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "length_survey.py"
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def survey():
-    module_spec = importlib.util.spec_from_file_location("length_survey", SCRIPT)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
+    return load_script("length_survey")
 
 
 def test_bubble_is_the_idle_share_of_the_slowest_rank(survey):

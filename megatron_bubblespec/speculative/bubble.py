@@ -143,7 +143,7 @@ class BubbleDrafter:
             tokens = tuple(r.token_ids)
             self.computed[(step, index)] = prompt + len(tokens)
             if old:
-                prefix = _common_prefix(tokens, old)
+                prefix = common_prefix(tokens, old)
                 # an unfinished refresh that still agrees with the old draft would only shorten
                 # it: the old draft stays
                 if not r.finished and prefix == len(tokens):
@@ -154,7 +154,8 @@ class BubbleDrafter:
         return out
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
