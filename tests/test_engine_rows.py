@@ -18,8 +18,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 LONGTAIL = Path(__file__).parents[1] / "configs" / "longtail.yaml"
 
 NEW_TOKENS, PROMPTS = 160, 2      # prompts of ~100 tokens + 160: past sequence position 96
-ALONE = (0, 5)                    # decoded alone too: one sample of each prompt (a lone decode
-                                  # step costs about as much as one of the whole company)
+ALONE = (0, 5)                    # decoded alone too: one sample of each prompt (all eight
+                                  # alone were most of this test's time)
 
 
 def _unwrap_cpu_rows(model) -> int:
