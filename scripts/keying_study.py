@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -50,6 +49,7 @@ import numpy as np
 import torch
 
 from megatron_bubblespec.config import load_config
+from megatron_bubblespec.data.lookahead import LookaheadSampler
 from megatron_bubblespec.loop.checkpoint import complete_checkpoints
 from megatron_bubblespec.loop.replica import build_task, resolve_model
 from megatron_bubblespec.machine import machine_info
@@ -57,21 +57,16 @@ from megatron_bubblespec.models.architecture import load_checkpoint
 from megatron_bubblespec.rollout.torch_llama import TorchLlama
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.sampling.keyed import MASK32, perturbed_scores
-from megatron_bubblespec.sampling.requests import settle_eos
 from megatron_bubblespec.speculative.bubble import common_prefix
 from megatron_bubblespec.speculative.samples import SampleBook
-from megatron_bubblespec.data.lookahead import LookaheadSampler
 from megatron_bubblespec.splitmix import chain
-
-POSITION = "position"
+from megatron_bubblespec.tokens import pad_token_rows
 
 
 # ------------------------------------------------------------------------------------- keyings
 
 class PositionKeying:
     """Today's keying: the draw at response position i is keyed by i."""
-
-    name = POSITION
 
     def __init__(self, prompt: list[int]):
         self.count = 0
@@ -88,12 +83,11 @@ class ContextKeying:
     earlier in this response): distinct for every position of a response, equal for a response
     and its draft wherever their last k tokens and that count agree. The pair is hashed to the
     32-bit word the noise takes in place of the position (splitmix64, low half): two positions of
-    one response share a word only by a hash collision, about 1e-4 for a 1,024-token response,
-    which a study can carry and an adopted keying could not (it would key by the full 64 bits)."""
+    one response share a word only by a hash collision, about once in 1e4 responses of 1,024
+    tokens, which a study can carry and an adopted keying would have to rule out."""
 
     def __init__(self, k: int, prompt: list[int]):
         self.k = k
-        self.name = f"context{k}"
         self.tail = list(prompt[-k:])
         self.seen: Counter = Counter()
 
@@ -107,7 +101,7 @@ class ContextKeying:
 
 
 def keying_factory(name: str):
-    if name == POSITION:
+    if name == "position":
         return PositionKeying
     if name.startswith("context") and name[len("context"):].isdigit():
         k = int(name[len("context"):])
@@ -126,10 +120,7 @@ def generate(model: TorchLlama, prompts: list[list[int]], keys: list[int], eos: 
     slots = torch.tensor([model.cache.acquire() for _ in range(n)])
     states = [keying(list(p)) for p in prompts]
     responses: list[list[int]] = [[] for _ in range(n)]
-    lengths = torch.tensor([len(p) for p in prompts])
-    tokens = torch.zeros(n, int(lengths.max()), dtype=torch.int64)
-    for row, p in enumerate(prompts):
-        tokens[row, :len(p)] = torch.tensor(p)
+    tokens, lengths = pad_token_rows(prompts)
     logits = model.forward(tokens, slots, torch.zeros_like(lengths), lengths)
     last = logits[torch.arange(n), lengths - 1]
     active = list(range(n))
@@ -142,8 +133,7 @@ def generate(model: TorchLlama, prompts: list[list[int]], keys: list[int], eos: 
         for r, token in zip(active, drawn):
             responses[r].append(token)
             states[r].append(token)
-            done = settle_eos(responses[r], eos)[1] or len(responses[r]) >= budget
-            if not done:
+            if token not in eos and len(responses[r]) < budget:   # the first EOS ends it
                 still.append(r)
         active = still
         if not active:
@@ -260,7 +250,7 @@ def main(argv=None) -> int:
                         help="a run directory with config.yaml and checkpoints/step_<v>")
     parser.add_argument("--versions", default="0-6",
                         help="weight versions, consecutive pairs studied (0-6 or 0,1,2)")
-    parser.add_argument("--keyings", default="position,context2,context4,context8")
+    parser.add_argument("--keyings", default="position,context2,context4")
     parser.add_argument("--prompts", type=int, default=0,
                         help="prompts per pair (0: step t + 1's own)")
     parser.add_argument("--cap", type=int, default=32, help="draft tokens an engine step proposes")
@@ -315,7 +305,7 @@ def main(argv=None) -> int:
                                 keying)
             rows = [replay(d, o, cap=args.cap, min_match=cfg.spec.min_match,
                            max_match=cfg.spec.max_match) for d, o in zip(drafts, rollouts)]
-            group = cfg.rollout.prompts_per_step * r.samples_per_prompt
+            group = r.prompts_per_step * r.samples_per_prompt
             longest = [max(rows[i:i + group], key=lambda x: x["tokens"])
                        for i in range(0, len(rows), group)]
             pair["keyings"][name] = {"all": totals(rows), "longest": totals(longest),
@@ -333,7 +323,7 @@ def main(argv=None) -> int:
              "sampling": {"temperature": r.temperature, "top_p": r.top_p,
                           "max_new_tokens": r.max_new_tokens},
              "pairs": pairs, "seconds": round(time.time() - started, 1),
-             "machine": machine_info(), "loadavg": os.getloadavg()}, indent=1))
+             "machine": machine_info()}, indent=1))
     print(report(pairs, list(keyings)))
     return 0
 
@@ -351,10 +341,10 @@ def interval(rows: list[dict], statistic: str, draws: int = 2000, seed: int = 0)
 def report(pairs: list[dict], names: list[str]) -> str:
     """The markdown table over every pair: all responses, and each step's longest; the shares
     after divergence with their bootstrap 90 % intervals."""
-    lines = ["| keying | responses (longest) | prefix share | covered share | engine steps / token | "
-             "realigned after divergence | engine steps / token after divergence | longest: "
-             "covered | longest: realigned after divergence | longest: engine steps / token after "
-             "divergence |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| keying | responses (longest) | prefix share | covered share | engine steps / "
+             "token | realigned after divergence | engine steps / token after divergence | "
+             "longest: covered | longest: realigned after divergence | longest: engine steps / "
+             "token after divergence |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def with_interval(rows, shares, statistic):
         low, high = interval(rows, statistic)
