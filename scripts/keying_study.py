@@ -2,10 +2,12 @@
 each keying of the noise -> how much of W_{t+1}'s responses a W_t draft covers (the study behind
 docs/results/keying-study.md).
 
-Today a keyed draw's noise is keyed by (sample key, response position, token). A response that
+Keyed by position (``rollout.keying: position``), a draw's noise is keyed by (sample key, response
+position, token). A response that
 leaves its draft and meets the draft's text again one token later draws with other noise from
 then on, so the two stay apart even where the policies agree. Keyed instead by (sample key, the
-last k tokens, how often that k-gram occurred earlier in the response, token), every draw of a
+last k tokens, how often that k-gram occurred earlier in the response, token) (``context<k>``,
+``megatron_bubblespec.draw_words``), every draw of a
 response still has a key of its own (a k-gram's occurrences are counted, so two positions never
 share one: sampling stays exact), and a response that meets its draft's text again draws with
 the draft's noise again. This script measures whether that matters on real consecutive policies.
@@ -42,7 +44,6 @@ import json
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -50,63 +51,27 @@ import torch
 
 from megatron_bubblespec.config import load_config
 from megatron_bubblespec.data.lookahead import LookaheadSampler
+from megatron_bubblespec.draw_words import Keying
 from megatron_bubblespec.loop.checkpoint import complete_checkpoints
 from megatron_bubblespec.loop.replica import build_task, resolve_model
 from megatron_bubblespec.machine import machine_info
 from megatron_bubblespec.models.architecture import load_checkpoint
 from megatron_bubblespec.rollout.torch_llama import TorchLlama
 from megatron_bubblespec.sampling import SamplingParams
-from megatron_bubblespec.sampling.keyed import MASK32, perturbed_scores
+from megatron_bubblespec.sampling.keyed import perturbed_scores
 from megatron_bubblespec.speculative.bubble import common_prefix
 from megatron_bubblespec.speculative.samples import SampleBook
-from megatron_bubblespec.splitmix import chain
 from megatron_bubblespec.tokens import pad_token_rows
 
 
 # ------------------------------------------------------------------------------------- keyings
 
-class PositionKeying:
-    """Today's keying: the draw at response position i is keyed by i."""
-
-    def __init__(self, prompt: list[int]):
-        self.count = 0
-
-    def word(self) -> int:
-        return self.count
-
-    def append(self, token: int) -> None:
-        self.count += 1
-
-
-class ContextKeying:
-    """The draw after ``context`` is keyed by (its last k tokens, how often they ended a context
-    earlier in this response): distinct for every position of a response, equal for a response
-    and its draft wherever their last k tokens and that count agree. The pair is hashed to the
-    32-bit word the noise takes in place of the position (splitmix64, low half): two positions of
-    one response share a word only by a hash collision, about once in 1e4 responses of 1,024
-    tokens, which a study can carry and an adopted keying would have to rule out."""
-
-    def __init__(self, k: int, prompt: list[int]):
-        self.k = k
-        self.tail = list(prompt[-k:])
-        self.seen: Counter = Counter()
-
-    def word(self) -> int:
-        gram = tuple(self.tail)
-        return chain(*gram, self.seen[gram], len(gram)) & MASK32
-
-    def append(self, token: int) -> None:
-        self.seen[tuple(self.tail)] += 1
-        self.tail = (self.tail + [token])[-self.k:]
-
-
 def keying_factory(name: str):
-    if name == "position":
-        return PositionKeying
-    if name.startswith("context") and name[len("context"):].isdigit():
-        k = int(name[len("context"):])
-        return lambda prompt: ContextKeying(k, prompt)
-    raise SystemExit(f"unknown keying {name!r}: use position or context<k> (e.g. context4)")
+    """A keying by name (``rollout.keying``'s values) -> its per-response word state."""
+    try:
+        return Keying.parse(name).tracker
+    except ValueError as error:
+        raise SystemExit(str(error)) from None
 
 
 # ---------------------------------------------------------------------------------- generation
@@ -132,7 +97,7 @@ def generate(model: TorchLlama, prompts: list[list[int]], keys: list[int], eos: 
         still = []
         for r, token in zip(active, drawn):
             responses[r].append(token)
-            states[r].append(token)
+            states[r].extend((token,))
             if token not in eos and len(responses[r]) < budget:   # the first EOS ends it
                 still.append(r)
         active = still

@@ -3,11 +3,11 @@ starts a process or a vLLM engine fails (it belongs to the ``slow`` tier); tiny 
 tiny-config runs (BubbleSpec on and off), made once per session."""
 
 import contextlib
+import functools
 import multiprocessing.process
 import subprocess
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -92,20 +92,32 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
-def tiny_runs(tmp_path_factory):
-    """configs/tiny.yaml trained twice, BubbleSpec on and off (records, rollouts, final weights);
-    run directories ``root/spec-on`` and ``root/spec-off``."""
-    from megatron_bubblespec.config import load_config
-    from megatron_bubblespec.loop.train import train
+class TinyRuns:
+    """configs/tiny.yaml trained twice, BubbleSpec on and off (records, rollouts, final weights;
+    run directories ``root/spec-on`` and ``root/spec-off``), and, when a test first asks for it,
+    the off run with draws keyed by their last 2 tokens (``context_off``, ``root/context2-off``)."""
 
-    root = tmp_path_factory.mktemp("tiny-runs")
+    def __init__(self, root: Path):
+        self.root = root
+        self.on = self.run("spec-on")
+        self.off = self.run("spec-off", "spec.enabled=false")
 
-    def run(name, *overrides):
-        cfg = load_config(TINY, [f"run.output_dir={root}", f"run.name={name}", *QUIET, *overrides])
+    def run(self, name, *overrides):
+        from megatron_bubblespec.config import load_config
+        from megatron_bubblespec.loop.train import train
+
+        cfg = load_config(TINY, [f"run.output_dir={self.root}", f"run.name={name}", *QUIET,
+                                 *overrides])
         return train(cfg, return_weights=True)
 
-    return SimpleNamespace(root=root, on=run("spec-on"), off=run("spec-off", "spec.enabled=false"))
+    @functools.cached_property
+    def context_off(self):
+        return self.run("context2-off", "rollout.keying=context2", "spec.enabled=false")
+
+
+@pytest.fixture(scope="session")
+def tiny_runs(tmp_path_factory):
+    return TinyRuns(tmp_path_factory.mktemp("tiny-runs"))
 
 
 def load_script(name: str):

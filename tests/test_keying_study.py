@@ -1,6 +1,5 @@
-"""scripts/keying_study.py: its position keying draws what the reference engine draws, its context
-keying gives every draw of a response a word of its own and a draft's words back to a response
-that meets the draft's text again, and its replay counts what a draft saves."""
+"""scripts/keying_study.py: under each keying it draws what the reference engine draws (the keyings
+themselves: tests/test_draw_words.py), and its replay counts what a draft saves."""
 
 from __future__ import annotations
 
@@ -8,6 +7,7 @@ import random
 
 import pytest
 
+from megatron_bubblespec.draw_words import Keying
 from megatron_bubblespec.models.architecture import load_checkpoint
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.rollout.torch_llama import TorchLlama
@@ -20,38 +20,6 @@ from conftest import load_script
 @pytest.fixture(scope="module")
 def study():
     return load_script("keying_study")
-
-
-def _words(keying, prompt, response):
-    state, words = keying(prompt), []
-    for token in response:
-        words.append(state.word())
-        state.append(token)
-    return words
-
-
-def test_context_words_are_distinct_within_a_response_even_where_it_loops(study):
-    loop = [7, 8] * 200 + [7] * 100
-    for k in (1, 2, 4):
-        words = _words(study.keying_factory(f"context{k}"), [1, 2, 3], loop)
-        assert len(set(words)) == len(words), k
-
-
-def test_a_response_that_meets_its_draft_again_gets_the_drafts_words_back(study):
-    keying = study.keying_factory("context2")
-    draft = [10, 11, 12, 13, 14, 15]
-    # draws 20 where the draft drew 12 (same word: same context "10 11"), then writes the draft's
-    # 11 12 13 14 15 one place later: from the first draw after "11 12" on, the words are the
-    # draft's again
-    response = [10, 11, 20, 11, 12, 13, 14, 15]
-    d, r = _words(keying, [1, 2], draft), _words(keying, [1, 2], response)
-    assert r[:3] == d[:3]
-    assert r[3] not in d and r[4] not in d
-    assert r[5:] == d[3:]
-    # keyed by position, the realigned tokens keep other words than the draft's same tokens
-    p = study.keying_factory("position")
-    shifted = zip(_words(p, [1, 2], response)[5:], _words(p, [1, 2], draft)[3:])
-    assert all(mine != drafts for mine, drafts in shifted)
 
 
 def test_replay_counts_the_prefix_the_realigned_tokens_and_the_engine_steps(study):
@@ -83,22 +51,23 @@ def test_replay_counts_the_prefix_the_realigned_tokens_and_the_engine_steps(stud
                                                       "steps_after": 3}
 
 
-def test_position_keying_draws_what_the_reference_engine_draws(study, tiny_checkpoint):
+@pytest.mark.parametrize("name", ["position", "context2"])
+def test_each_keying_draws_what_the_reference_engine_draws(study, tiny_checkpoint, name):
     path = tiny_checkpoint("llama", vocab_size=96)
-    params = SamplingParams(0.8, top_p=0.9)
+    params = SamplingParams(0.8, top_p=0.9, keying=Keying.parse(name))
     prompts = [[5, 9, 11], [3, 4], [17, 2, 8, 30]]
     keys = [sample_key(3, 1, i, 0) for i in range(len(prompts))]
     eos = (0,)
     model = TorchLlama(*load_checkpoint(path))
-    ours = study.generate(model, prompts, keys, eos, params, 24, study.keying_factory("position"))
+    ours = study.generate(model, prompts, keys, eos, params, 24, study.keying_factory(name))
     requests = [RolloutRequest(f"r{i}", p, k, 24, eos_token_ids=eos)
                 for i, (p, k) in enumerate(zip(prompts, keys))]
     theirs = [r.token_ids for r in ReferenceEngine(path).generate(requests, params)]
     assert ours == theirs
     assert any(len(r) > 1 for r in ours)
-    # the context keying draws other tokens from the same model and keys
+    # the other keying draws other tokens from the same model and keys
     other = study.generate(model, prompts, keys, eos, params, 24,
-                           study.keying_factory("context2"))
+                           study.keying_factory("context2" if name == "position" else "position"))
     assert other != ours
 
 

@@ -44,17 +44,22 @@ def test_bubblespec_on_and_off_give_identical_rollouts_losses_and_weights(runs):
 @pytest.fixture(scope="module")
 def engine_verified(tiny_runs):
     """configs/tiny.yaml with spec.verifier=engine: each rank's vLLM engine verifies its drafts
-    inside its rollout (beside speculative continuation from every source)."""
-    cfg = _cfg(tiny_runs.root, "spec-on-engine-verifier", "spec.verifier=engine")
+    inside its rollout (beside speculative continuation from every source), its draws keyed by
+    their last 2 tokens (rollout.keying=context2), so that a draft row's word follows the
+    proposed tokens before it."""
+    cfg = _cfg(tiny_runs.root, "spec-on-engine-verifier", "spec.verifier=engine",
+               "rollout.keying=context2")
     return train(cfg, return_weights=True)
 
 
-def test_drafts_verified_inside_the_rollout_give_the_off_run(engine_verified, runs):
-    """The same identity with the drafts verified by the engines instead of Megatron: drafts
-    accepted and cut, nothing verified before the rollout, and fewer decode steps. This job's
-    bubbles last tens of milliseconds, so whether one refreshes a draft (spec.refresh_drafts) is
-    timing; a bubble closed on cue refreshes in test_vllm_continuation."""
-    on, off = engine_verified, runs[1]
+def test_drafts_verified_inside_the_rollout_give_the_off_run(engine_verified, tiny_runs):
+    """The same identity with the drafts verified by the engines instead of Megatron, and draws
+    keyed by context: drafts accepted and cut, nothing verified before the rollout, and fewer
+    decode steps. This job's bubbles last tens of milliseconds, so whether one refreshes a draft
+    (spec.refresh_drafts) is timing; a bubble closed on cue refreshes in
+    test_vllm_continuation."""
+    on, off = engine_verified, tiny_runs.context_off
+    assert off["rollouts"] != tiny_runs.off["rollouts"]   # the context keying drew other tokens
     drafted = sum(r["spec/drafted_tokens"] for r in on["records"])
     accepted = sum(r["spec/accepted_tokens"] for r in on["records"])
     assert 0 < accepted < drafted, (accepted, drafted)

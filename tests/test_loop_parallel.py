@@ -2,7 +2,7 @@
 Megatron), with a rollout engine on every rank group (rollout TP 1: an engine per rank; rollout TP
 2: one per TP pair, or one per replica across its two pipeline stages): BubbleSpec on and off
 give the same tokens, losses and final weights at TP 2 x PP 2 x DP 1 (a single replica, whose
-engines wait for each other); every layout, drafts verified by Megatron or (TP 2 x DP 2) inside
+engines wait for each other; draws keyed by context there, by position elsewhere); every layout, drafts verified by Megatron or (TP 2 x DP 2) inside
 each engine's rollout, gives the DP 2 off run's tokens and has the engines its layout promises;
 and a rank stuck at start-up is ended by SIGTERM with a message naming its stage.
 """
@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(1800)
 STEPS = 3   # step 0 has nothing to verify; steps 1 and 2 verify drafts made in the bubbles before
 
+CONTEXT2 = "rollout.keying=context2"
 LAYOUTS = {   # name -> (overrides, engines); every layout runs 4 ranks
     # the running partial drafts claimed first (ablation.draft_order)
     "pp2": (("parallel.pipeline=2", "parallel.data=2", "ablation.draft_order=stragglers"), 4),
@@ -43,9 +44,10 @@ LAYOUTS = {   # name -> (overrides, engines); every layout runs 4 ranks
     "pp2-rollout-tp2": (("parallel.pipeline=2", "parallel.data=2", "parallel.order=tp-cp-ep-pp-dp",
                          "rollout.tensor_parallel=2"), 2),
     # DP 1: one replica, four engines: the engines that finish first draft in the bubble, their
-    # claims paced (spec.draft_prefill_tokens)
+    # claims paced (spec.draft_prefill_tokens); draws keyed by their last 2 tokens, so the
+    # vocab-parallel verifier computes each draft row's word from the tokens before it
     "tp2-pp2": (("parallel.tensor=2", "parallel.pipeline=2", "parallel.data=1",
-                 "spec.draft_prefill_tokens=32"), 4),
+                 "spec.draft_prefill_tokens=32", CONTEXT2), 4),
 }
 # On and off compared run by run at TP 2 x PP 2 (and at DP 2 in test_loop, with either
 # verifier); every other layout's on run is compared with the DP 2 off run's tokens below.
@@ -78,10 +80,12 @@ def test_on_and_off_identical_at_tp_and_pp(layout_runs, layout):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_layout_gives_the_dp2_tokens_on_its_engines(layout_runs, tiny_runs, layout):
-    """configs/tiny.yaml at TP = PP = 1 (DP 2, conftest's tiny_runs) is the reference; every rank
-    group of rollout.tensor_parallel ranks hosts an engine, and each engine reports."""
+    """configs/tiny.yaml at TP = PP = 1 (DP 2, conftest's tiny_runs, keyed as the layout is) is
+    the reference; every rank group of rollout.tensor_parallel ranks hosts an engine, and each
+    engine reports."""
     on = layout_runs[layout, "on"]
-    reference = tiny_runs.off["rollouts"][:len(on["rollouts"])]
+    off = tiny_runs.context_off if CONTEXT2 in LAYOUTS[layout][0] else tiny_runs.off
+    reference = off["rollouts"][:len(on["rollouts"])]
     assert len(on["rollouts"]) == len(reference) >= STEPS
     for step, (a, b) in enumerate(zip(on["rollouts"], reference)):
         assert a == b, f"{layout}, step {step}: tokens differ from the DP 2 run"

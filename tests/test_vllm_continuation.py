@@ -22,6 +22,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from megatron_bubblespec.draw_words import Keying  # noqa: E402
 from megatron_bubblespec.rollout.reference import ReferenceEngine  # noqa: E402
 from megatron_bubblespec.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from megatron_bubblespec.sampling import SamplingParams, sample_key  # noqa: E402
@@ -45,8 +46,11 @@ def _settings(*overrides: str) -> ContinuationSettings:
                                    "spec.proposal_token_cost=null", "spec.verifier=megatron",
                                    "ablation.reuse_draft_kv=false", *overrides)
 LOGPROB_TOL = 1e-6
+# T1-context2: draws keyed by their last 2 tokens (rollout.keying), so a draft's row j is keyed
+# by the proposed tokens before it
 PARAMS = {"T1": SamplingParams(1.0), "greedy": SamplingParams(0.0),
-          "T0.7-p0.9": SamplingParams(0.7, top_p=0.9)}
+          "T0.7-p0.9": SamplingParams(0.7, top_p=0.9),
+          "T1-context2": SamplingParams(1.0, keying=Keying.parse("context2"))}
 PROMPT_LENGTHS = [3, 5, 8, 13, 21, 6]
 
 
@@ -225,7 +229,7 @@ def test_aborted_requests_report_their_counts(spec_engine, plain, prompts, keys)
     assert not spec_engine.llm.llm_engine.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("name", ["T1", "T0.7-p0.9"])
+@pytest.mark.parametrize("name", ["T1", "T0.7-p0.9", "T1-context2"])
 def test_reference_engine_agrees_with_continuation_on(checkpoint, spec_engine, plain, prompts, keys,
                                                       name):
     want = plain[name]

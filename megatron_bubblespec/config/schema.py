@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megatron_bubblespec.draw_words import KEYINGS
+
 # No run's tokens, counts or rollout work depend on this key: where and how often the run
 # checkpoints, its watchdogs, what it logs.
 OBSERVER = {"identity": "observer"}
@@ -77,6 +79,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    # what keys each draw's noise (draw_words): its response position, or its last k tokens and
+    # their count (context<k>: a response that meets its draft's text again draws as the draft did)
+    keying: str = "position"
     max_new_tokens: int = 384
     samples_per_prompt: int = 2
     prompts_per_step: int = 2       # global, over all DP ranks
@@ -221,6 +226,7 @@ DRAFT_ORDERS = ("engines", "stragglers")
 
 CHOICES = {
     "rollout.engine": ("vllm", "reference"),
+    "rollout.keying": KEYINGS,
     "parallel.order": ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp"),
     "spec.verifier": ("megatron", "engine"),
     "ablation.draft_source": ("bubble", "previous_epoch"),

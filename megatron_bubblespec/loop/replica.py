@@ -170,7 +170,7 @@ def build_replica(cfg: Config) -> Replica:
         temperature=cfg.rollout.temperature,
         grpo=GRPOConfig(clip_eps_low=t.clip_eps, clip_eps_high=t.clip_eps, kl_coef=t.kl_coef,
                         tis_cap=t.tis_cap)))
-    params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
+    params = SamplingParams.of(cfg.rollout)
     task = build_task(cfg, arch)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     sampler = LookaheadSampler(cfg.run.seed, task.size, cfg.rollout.prompts_per_step, dp_size,

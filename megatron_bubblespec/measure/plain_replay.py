@@ -137,7 +137,7 @@ def replay_rank(run_dir: str, log_dir: str) -> list[tuple]:
     try:
         path = initial_checkpoint(cfg, rank)
         batches = step_requests(cfg, check_checkpoint(path), rollouts)
-        params = SamplingParams(cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
+        params = SamplingParams.of(cfg.rollout)
         engine = build_plain_engine(cfg, path)
         timed = []
         for engines in batches:

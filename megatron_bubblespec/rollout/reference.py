@@ -17,6 +17,7 @@ from typing import Iterable
 
 import torch
 
+from megatron_bubblespec.draw_words import ResponseWords
 from megatron_bubblespec.models.architecture import load_checkpoint
 from megatron_bubblespec.rollout.base import RolloutEngine
 from megatron_bubblespec.rollout.reference_verify import verify_with_model
@@ -27,7 +28,7 @@ from megatron_bubblespec.speculative.continuation import ContinuationSettings, o
 from megatron_bubblespec.speculative.pool import Continuation, Siblings
 from megatron_bubblespec.speculative.sources import has_sources
 from megatron_bubblespec.speculative.rules import KEYED, RuleChoice
-from megatron_bubblespec.speculative.verify import verify_keyed
+from megatron_bubblespec.speculative.verify import pad_words, verify_keyed
 from megatron_bubblespec.tokens import pad_token_rows
 
 
@@ -42,6 +43,7 @@ class _Running:
     decode_steps: int = 0
     continuation: Continuation | None = None
     finish_reason: str | None = None
+    words: ResponseWords | None = None   # the draw words of the response's next tokens
 
     @property
     def context(self) -> list[int]:
@@ -149,7 +151,9 @@ class ReferenceEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ internals
     def _admit(self, request: RolloutRequest, params: SamplingParams) -> _Running:
-        state = _Running(request, params, self.model.cache.acquire(), list(request.response_prefix))
+        state = _Running(request, params, self.model.cache.acquire(), list(request.response_prefix),
+                         words=params.keying.tracker(request.prompt_token_ids,
+                                                     request.response_prefix))
         proposals, c = request.proposals, self.continuation
         if c.enabled and has_sources(c.sources, proposals.drafts, proposals.history):
             pool = self._siblings.pool(request.request_id, request.prompt_token_ids,
@@ -192,9 +196,10 @@ class ReferenceEngine(RolloutEngine):
     def _emit(self, states: list[_Running], logits: torch.Tensor, proposals: list[list[int]]):
         """Keyed verification of the proposals (plain decoding when there are none)."""
         draft, lens = pad_token_rows(proposals, width=logits.shape[1] - 1)
+        words = [pad_words(s.words.ahead(p), logits.shape[1]) for s, p in zip(states, proposals)]
         result = verify_keyed(logits, draft, lens,
                               torch.tensor([s.request.key for s in states]),
-                              torch.tensor([len(s.response) for s in states]),
+                              torch.tensor(words, dtype=torch.int64),
                               self._same_params(states),
                               [s.request.eos_token_ids for s in states])
         for row, (s, proposal) in enumerate(zip(states, proposals)):
@@ -208,6 +213,7 @@ class ReferenceEngine(RolloutEngine):
                     break
                 s.response.append(tok)
                 s.logprobs.append(logprob)
+                s.words.extend((tok,))
             s.cached = len(s.context) - 1  # the newest token is fed (and cached) next step
             self._check_done(s)
 

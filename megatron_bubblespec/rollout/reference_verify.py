@@ -14,7 +14,7 @@ from megatron_bubblespec.rollout.torch_llama import TorchLlama
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.sampling.requests import RolloutRequest
 from megatron_bubblespec.speculative.rules import KEYED, RuleChoice
-from megatron_bubblespec.speculative.verify import target_probs
+from megatron_bubblespec.speculative.verify import draft_words, target_probs
 from megatron_bubblespec.tokens import pad_token_rows
 
 
@@ -29,14 +29,14 @@ def verify_with_model(model: TorchLlama, drafting_model: TorchLlama | None,
     target = draft_logits(model, requests, drafts)
     draft_tokens, draft_lens = pad_token_rows(drafts)
     keys = torch.tensor([r.key for r in requests])
-    starts = torch.tensor([len(r.response_prefix) for r in requests])
+    words = draft_words(params, requests, drafts, draft_tokens.shape[1] + 1)
     q = None
     if rule.rule.reads_draft_probs:
         if drafting_model is None:
             raise ValueError(f"rule {rule.name!r} needs the drafting policy's distributions: "
                              "build the engine with keep_previous_weights=True")
         q = target_probs(draft_logits(drafting_model, requests, drafts)[:, :-1], params)
-    return rule.settle(target, q, draft_tokens, draft_lens, keys, starts, params, eos)
+    return rule.settle(target, q, draft_tokens, draft_lens, keys, words, params, eos)
 
 
 def draft_logits(model: TorchLlama, requests: list[RolloutRequest],

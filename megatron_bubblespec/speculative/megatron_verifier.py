@@ -38,7 +38,7 @@ from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.sampling.requests import RolloutRequest
 from megatron_bubblespec.speculative.validate import request_draft
 from megatron_bubblespec.speculative.verifier import VerifiedDrafts
-from megatron_bubblespec.speculative.verify import Verdict, verify_keyed
+from megatron_bubblespec.speculative.verify import Verdict, draft_words, verify_keyed
 from megatron_bubblespec.tokens import pad_token_rows
 from megatron_bubblespec.train.forward import broadcast_from_last_stage, megatron_forward
 
@@ -124,7 +124,8 @@ class MegatronVerifier:
             result = verify_keyed(
                 target, draft, torch.tensor([len(batch.drafts[i]) for i in real], device=device),
                 torch.tensor([r.key for r in requests], dtype=torch.int64, device=device),
-                torch.tensor([len(r.response_prefix) for r in requests], device=device),
+                draft_words(self.params, requests, [batch.drafts[i] for i in real],
+                            target.shape[1]).to(device),
                 self.params, [r.eos_token_ids for r in requests],
                 vocab_offset=tp_rank * local_vocab, vocab_size=self.arch.vocab_size,
                 group=tp_group)

@@ -30,7 +30,7 @@ REFERENCE_ONLY = ("reference",)
 @dataclass(frozen=True)
 class Rule:
     """A verification rule: ``settle(target_logits, draft_probs, draft, draft_lens, keys,
-    start_positions, params, eos_token_ids, **parameters) -> Verdict``."""
+    words, params, eos_token_ids, **parameters) -> Verdict`` (``words``: the rows' draw words)."""
 
     name: str
     settle: Callable[..., Verdict]
@@ -59,10 +59,10 @@ class RuleChoice:
     def rule(self) -> Rule:
         return RULES.entry(self.name)
 
-    def settle(self, target_logits, draft_probs, draft, draft_lens, keys, start_positions, params,
+    def settle(self, target_logits, draft_probs, draft, draft_lens, keys, words, params,
                eos_token_ids=()) -> Verdict:
         return self.rule.settle(target_logits, draft_probs, draft, draft_lens, keys,
-                                start_positions, params, eos_token_ids, **dict(self.parameters))
+                                words, params, eos_token_ids, **dict(self.parameters))
 
 
 KEYED = RuleChoice("keyed")
@@ -74,9 +74,9 @@ def rule_from_config(cfg) -> RuleChoice:
     return RuleChoice(rule.name, tuple((p, getattr(cfg.ablation, p)) for p in rule.parameters))
 
 
-def _keyed(target_logits, draft_probs, draft, draft_lens, keys, start_positions, params,
+def _keyed(target_logits, draft_probs, draft, draft_lens, keys, words, params,
            eos_token_ids=()) -> Verdict:
-    return verify_keyed(target_logits, draft, draft_lens, keys, start_positions, params,
+    return verify_keyed(target_logits, draft, draft_lens, keys, words, params,
                         eos_token_ids)
 
 

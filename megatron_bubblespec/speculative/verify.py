@@ -18,7 +18,9 @@ and end each sample's response at its first EOS (``sampling.requests.settle_eos`
   draft; it exists to measure what inexactness costs and is labelled so everywhere.
 
 Shapes: ``target_logits`` [B, L+1, V] holds, at index j, the logits that predict response position
-``start + j`` given the prompt, the response so far and draft[:j]; ``draft`` [B, L] is right-padded,
+``start + j`` given the prompt, the response so far and draft[:j]; ``words`` [B, L+1] are the draw
+words of those positions (``draw_words``: row j's word follows draft[:j]), or [B] the start
+positions when draws are keyed by position; ``draft`` [B, L] is right-padded,
 ``draft_lens`` [B] gives the real lengths (0 = no draft: the result is one plain keyed draw); the
 padding may hold any value. ``vocab_size`` excludes Megatron's vocabulary padding columns.
 """
@@ -80,8 +82,31 @@ def _check_shapes(target_logits, draft, draft_lens):
         raise ValueError(f"draft_lens must lie in [0, {l1 - 1}], got {draft_lens.tolist()}")
 
 
-def _positions(start_positions: torch.Tensor, width: int) -> torch.Tensor:
-    return start_positions.reshape(-1, 1) + torch.arange(width, device=start_positions.device)
+def _words(words: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width] draw words from [B, >= width] words or [B] start positions (position keying)."""
+    words = torch.as_tensor(words, dtype=torch.int64)
+    if words.dim() == 1:
+        return words.reshape(-1, 1) + torch.arange(width, device=words.device)
+    if words.shape[1] < width:
+        raise ValueError(f"words {tuple(words.shape)} cover fewer than the {width} rows to draw")
+    return words[:, :width]
+
+
+def draft_words(params: SamplingParams, requests, drafts, width: int) -> torch.Tensor:
+    """The draw words [B, width] of each request's draft rows: row j keys the draw after its
+    prompt, response prefix and draft[:j] (``params.keying``); rows past a draft's end, which
+    no rule reads, continue its last word by ones (position keying: prefix length + j)."""
+    rows = []
+    for request, draft in zip(requests, drafts):
+        words = params.keying.words(request.prompt_token_ids, request.response_prefix, draft)
+        rows.append(pad_words(words, width))
+    return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), width)
+
+
+def pad_words(words: list[int], width: int) -> list[int]:
+    """``words`` cut or continued by ones (mod 2**32) to ``width`` words."""
+    return (words + [(words[-1] + j) & 0xFFFFFFFF
+                     for j in range(1, width - len(words) + 1)])[:width]
 
 
 def _eos_rows(eos_token_ids, rows: int) -> list[frozenset[int]]:
@@ -116,7 +141,7 @@ def _settle(accept: torch.Tensor, replacement: torch.Tensor, draft: torch.Tensor
 
 
 def verify_keyed(target_logits: torch.Tensor, draft: torch.Tensor, draft_lens: torch.Tensor,
-                 keys: torch.Tensor, start_positions: torch.Tensor, params: SamplingParams,
+                 keys: torch.Tensor, words: torch.Tensor, params: SamplingParams,
                  eos_token_ids: Iterable = (), *, vocab_offset: int = 0,
                  vocab_size: int | None = None, group=None) -> Verdict:
     """Exact verification by shared keyed noise; ``group`` = TP group when the vocab is sharded."""
@@ -128,7 +153,7 @@ def verify_keyed(target_logits: torch.Tensor, draft: torch.Tensor, draft_lens: t
     read = (torch.arange(width1, device=draft.device) <= draft_lens.reshape(-1, 1)).reshape(-1)
     logits = target_logits.reshape(b * width1, vocab)[read]
     row_keys = keys.reshape(-1, 1).expand(b, width1).reshape(-1)[read]
-    positions = _positions(start_positions, width1).reshape(-1)[read]
+    positions = _words(words, width1).to(draft.device).reshape(-1)[read]
     if vocab_offset == 0 and (group is None or dist.get_world_size(group) == 1):
         # the same tokens as keyed_sample, bit for bit, scoring few tokens per row
         drawn = keyed_sample_sparse(logits, row_keys, positions, params, vocab_size=vocab_size)
@@ -161,7 +186,7 @@ def target_probs(target_logits: torch.Tensor, params: SamplingParams,
     return torch.softmax(scaled.double(), dim=-1)
 
 
-def _ratio_test(target_logits, draft_probs, draft, draft_lens, keys, start_positions, params,
+def _ratio_test(target_logits, draft_probs, draft, draft_lens, keys, words, params,
                 vocab_size):
     _check_shapes(target_logits, draft, draft_lens)
     if draft_probs.shape != draft.shape + target_logits.shape[-1:]:
@@ -174,26 +199,26 @@ def _ratio_test(target_logits, draft_probs, draft, draft_lens, keys, start_posit
     draft = draft.masked_fill(padding, 0)  # any padding value is allowed, as for verify_keyed
     y = draft.unsqueeze(-1)
     ratio = p[:, :-1].gather(-1, y).squeeze(-1) / q.gather(-1, y).squeeze(-1).clamp_min(1e-300)
-    pos = _positions(start_positions, width1 - 1).reshape(-1)
+    pos = _words(words, width1 - 1).reshape(-1)
     flat_keys = keys.reshape(-1, 1).expand(b, width1 - 1).reshape(-1)
     u = uniform_at(flat_keys, pos, draft.reshape(-1), STREAM_ACCEPT)
     bonus = keyed_sample(target_logits.reshape(b * width1, vocab),
                          keys.reshape(-1, 1).expand(b, width1).reshape(-1),
-                         _positions(start_positions, width1).reshape(-1), params,
+                         _words(words, width1).reshape(-1), params,
                          vocab_size=vocab_size).view(b, width1)
     return p, q, ratio, u.double().view(b, width1 - 1), bonus
 
 
-def verify_residual(target_logits, draft_probs, draft, draft_lens, keys, start_positions,
+def verify_residual(target_logits, draft_probs, draft, draft_lens, keys, words,
                     params: SamplingParams, eos_token_ids: Iterable = (),
                     vocab_size: int | None = None) -> Verdict:
     """Exact standard speculative sampling (needs q = ``draft_probs`` [B, L, V]); ablation only."""
     p, q, ratio, u, bonus = _ratio_test(target_logits, draft_probs, draft, draft_lens, keys,
-                                        start_positions, params, vocab_size)
+                                        words, params, vocab_size)
     b, width1, vocab = target_logits.shape
     residual = (p[:, :-1] - q).clamp_min(0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p[:, :-1])
-    pos = _positions(start_positions, width1 - 1).reshape(-1)
+    pos = _words(words, width1 - 1).reshape(-1)
     g = gumbel_noise(keys.reshape(-1, 1).expand(b, width1 - 1).reshape(-1), pos,
                      torch.arange(vocab), STREAM_RESIDUAL, dtype=torch.float64)
     residual_draw = torch.argmax(residual.log().reshape(-1, vocab) + g, dim=-1).view(b, width1 - 1)
@@ -203,7 +228,7 @@ def verify_residual(target_logits, draft_probs, draft, draft_lens, keys, start_p
     return _settle(u <= ratio, replacement, draft, draft_lens, eos_token_ids)
 
 
-def verify_lenient(target_logits, draft_probs, draft, draft_lens, keys, start_positions,
+def verify_lenient(target_logits, draft_probs, draft, draft_lens, keys, words,
                    params: SamplingParams, eos_token_ids: Iterable = (),
                    lenience: float = 1.0, vocab_size: int | None = None) -> Verdict:
     """SPEC-RL's lenient rule (INEXACT for lenience > 1, and never exact: it redraws from p rather
@@ -211,5 +236,5 @@ def verify_lenient(target_logits, draft_probs, draft, draft_lens, keys, start_po
     if lenience < 1.0:
         raise ValueError(f"lenience must be >= 1, got {lenience}")
     _, _, ratio, u, bonus = _ratio_test(target_logits, draft_probs, draft, draft_lens, keys,
-                                        start_positions, params, vocab_size)
+                                        words, params, vocab_size)
     return _settle(u <= lenience * ratio, bonus, draft, draft_lens, eos_token_ids)
