@@ -388,24 +388,6 @@ def test_a_samples_own_draft_is_realign_and_the_others_drafts_are_bubble():
     assert c.by_source() == {"realign": (2, 1)}
 
 
-def test_with_draws_keyed_by_context_realign_proposes_like_a_suffix_match():
-    """rollout.keying=context<k> re-couples a response with its own draft where it meets the
-    draft's text again, so realign proposes up to suffix_k tokens there; the others' drafts still
-    propose k."""
-    prompt = [1, 2, 3]
-    drafts = [list(range(10, 30)), list(range(40, 60))]
-    registry = Siblings(2, 8, ("bubble", "realign"), suffix_k=6, recouple=True)
-    a = registry.pool("a", prompt, drafts, own_draft=0)
-    assert a.propose(prompt + [10, 11, 99, 12, 13], 2) == ([14, 15, 16, 17, 18, 19], "realign")
-    assert a.propose(prompt + [7, 40, 41], 2) == ([42, 43], "bubble")
-    c = Continuation(a, k=2, token_cost=None)
-    assert len(c.propose(prompt + [10, 11, 99, 12, 13], budget=4)) == 4   # within the budget
-    by_position = Siblings(2, 8, ("realign",), suffix_k=6).pool("a", prompt, drafts, own_draft=0)
-    assert by_position.propose(prompt + [10, 11, 99, 12, 13], 2) == ([14, 15], "realign")
-    assert ContinuationSettings.of("rollout.keying=context2").recouple
-    assert not ContinuationSettings.of().recouple
-
-
 def test_a_prompts_samples_share_one_index_and_propose_from_each_other():
     """siblings: a sample proposes what its prompt's other samples wrote; its own text is
     ``self``; earlier responses are ``history``; each source can be switched off alone; the

@@ -28,7 +28,9 @@ from megatron_bubblespec.sampling import SamplingParams, hash_kernel
 from megatron_bubblespec.sampling.keyed_draw import keyed_sample_sparse
 
 EXTRA_ARGS_KEY = "bubblespec_keyed"
-REQUIRED = ("key", "offset", "temperature", "top_k", "top_p", "keying")   # its fields
+
+
+REQUIRED = ("key", "offset", "temperature", "top_k", "top_p", "keying")
 
 
 def keyed_extra_args(params: SamplingParams, key: int, offset: int) -> dict[str, Any]:

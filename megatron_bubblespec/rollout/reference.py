@@ -78,7 +78,7 @@ class ReferenceEngine(RolloutEngine):
         self.continuation = c = continuation or off()
         self._waiting: list[tuple[RolloutRequest, SamplingParams]] = []
         self._running: dict[str, _Running] = {}
-        self._siblings = Siblings(c.min_match, c.max_match, c.sources, c.suffix_k, c.recouple)
+        self._siblings = Siblings(c.min_match, c.max_match, c.sources, c.suffix_k)
 
     @property
     def dtype(self) -> str:

@@ -41,7 +41,6 @@ def pool_extra_args(prompt_len: int, settings: ContinuationSettings, drafts: lis
     own draft in ``drafts``)."""
     return {"prompt_len": int(prompt_len), "drafts": [list(d) for d in drafts],
             "k": int(settings.k), "suffix_k": int(settings.suffix_k),
-            "recouple": bool(settings.recouple),
             "min_match": int(settings.min_match),
             "max_match": int(settings.max_match), "sources": list(settings.sources),
             "draft": [int(t) for t in draft], "draft_k": draft_k,
@@ -101,7 +100,7 @@ class PoolProposer:
         # vLLM's prompt holds the response prefix too
         prompt = cached.prompt_token_ids[:pool_args["prompt_len"]]
         settings = (pool_args["min_match"], pool_args["max_match"], tuple(pool_args["sources"]),
-                    pool_args["suffix_k"], pool_args["recouple"])
+                    pool_args["suffix_k"])
         if settings not in self.siblings:
             self.siblings[settings] = Siblings(*settings)
         siblings = self.siblings[settings]

@@ -19,7 +19,6 @@ class ContinuationSettings:
     enabled: bool              # speculative continuation: requests propose tokens a step
     k: int                     # the most tokens a request proposes a step (spec.spec_k)
     suffix_k: int              # ... from a suffix match, as long as it matched (spec.suffix_k)
-    recouple: bool             # draws keyed by context (rollout.keying): realign runs to suffix_k
     min_match: int             # the n-gram lengths a proposal matches (spec.min_match ..
     max_match: int             # spec.max_match)
     sources: tuple[str, ...]   # what a request proposes from (spec.proposal_sources)
@@ -31,7 +30,7 @@ class ContinuationSettings:
     def from_config(cls, cfg) -> ContinuationSettings:
         s, a = cfg.spec, cfg.ablation
         return cls(enabled=s.enabled and a.speculative_continuation, k=s.spec_k,
-                   suffix_k=s.suffix_k, recouple=cfg.rollout.keying != "position",
+                   suffix_k=s.suffix_k,
                    min_match=s.min_match, max_match=s.max_match,
                    sources=tuple(s.proposal_sources), token_cost=s.proposal_token_cost,
                    verify_drafts=s.enabled and s.verifier == "engine"

@@ -28,10 +28,11 @@ class PromptIndex(PromptTexts):
     def __init__(self, prompt: Sequence[int], drafts: Sequence[Sequence[int]] = (),
                  min_match: int = 2, max_match: int = 8,
                  sources: Sequence[str] = DEFAULT_SOURCES, history: Sequence[Sequence[int]] = (),
-                 suffix_k: int = DEFAULT_SUFFIX_K, recouple: bool = False):
+                 suffix_k: int = DEFAULT_SUFFIX_K):
         self.sources = sources_named(sources)
         super().__init__(prompt, drafts, history, min_match, max_match,
-                         sorted(corpora_of(sources)), suffix_k, recouple)
+                         sorted(corpora_of(sources)))
+        self.suffix_k = suffix_k
 
     @property
     def static(self) -> bool:
@@ -40,8 +41,8 @@ class PromptIndex(PromptTexts):
 
     def propose(self, member: str, context: Sequence[int], k: int) -> tuple[list[int], str | None]:
         """The tokens that followed the longest match ``member`` may use, and their source ([]
-        and None without one): up to ``k``, or for a source that sets its own limit (``suffix``:
-        as many as it matched; ``realign`` with ``recouple``) up to ``suffix_k``."""
+        and None without one): up to ``k``, or for a source that sets its own limit (``suffix``)
+        as many as it matched, up to ``suffix_k``."""
         if k <= 0:
             return [], None
         lookup, best, name = Lookup(self, context), None, None
@@ -64,10 +65,9 @@ class DraftPool:
                  min_match: int = 2, max_match: int = 8,
                  sources: Sequence[str] = DEFAULT_SOURCES, history: Sequence[Sequence[int]] = (),
                  *, index: PromptIndex | None = None, member: str = "sample",
-                 own_draft: int | None = None, suffix_k: int = DEFAULT_SUFFIX_K,
-                 recouple: bool = False):
+                 own_draft: int | None = None, suffix_k: int = DEFAULT_SUFFIX_K):
         self.index = index or PromptIndex(prompt, drafts, min_match, max_match, sources, history,
-                                          suffix_k, recouple)
+                                          suffix_k)
         self.member = member
         self.prompt_len = len(prompt)
         self.index.join(member, own_draft)
@@ -94,9 +94,9 @@ class Siblings:
     (``siblings``). An index goes when its last sample leaves."""
 
     def __init__(self, min_match: int, max_match: int, sources: Sequence[str],
-                 suffix_k: int = DEFAULT_SUFFIX_K, recouple: bool = False):
+                 suffix_k: int = DEFAULT_SUFFIX_K):
         self.min_match, self.max_match, self.sources = min_match, max_match, tuple(sources)
-        self.suffix_k, self.recouple = suffix_k, recouple
+        self.suffix_k = suffix_k
         self.shared = any(source.reads_siblings for source in sources_named(self.sources))
         self.indexes: dict[tuple, tuple[PromptIndex, set[str]]] = {}
         self.key_of: dict[str, tuple] = {}   # member -> its prompt's key
@@ -107,13 +107,11 @@ class Siblings:
         ``drafts``): a view of its prompt's shared index."""
         if not self.shared:
             return DraftPool(prompt, drafts, self.min_match, self.max_match, self.sources,
-                             history, member=member, own_draft=own_draft, suffix_k=self.suffix_k,
-                             recouple=self.recouple)
+                             history, member=member, own_draft=own_draft, suffix_k=self.suffix_k)
         key = (tuple(prompt), tuple(map(tuple, drafts)), tuple(map(tuple, history)))
         if key not in self.indexes:
             self.indexes[key] = (PromptIndex(prompt, drafts, self.min_match, self.max_match,
-                                             self.sources, history, self.suffix_k, self.recouple),
-                                 set())
+                                             self.sources, history, self.suffix_k), set())
         index, members = self.indexes[key]
         members.add(member)
         self.key_of[member] = key

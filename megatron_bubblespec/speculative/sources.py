@@ -18,10 +18,7 @@ The sources:
 * ``bubble``: the drafts of the same prompt's other samples, made by an older policy in the bubble
   (each as prompt + draft);
 * ``realign``: the sample's own bubble draft after the response left it: a suffix match finds
-  where the response meets the draft again, and the draft resumes from there. With draws keyed by
-  context (``rollout.keying: context<k>``) the response draws with the draft's words again from
-  there, so the draft is as likely to hold as before the parting: it proposes up to
-  ``spec.suffix_k`` tokens, not ``spec.spec_k``;
+  where the response meets the draft again, and the draft resumes from there;
 * ``history``: the prompt's responses from the last time it was rolled out (an earlier epoch);
 * ``self``: the sample's own response so far (repetitions);
 * ``siblings``: the same prompt's other samples in the same engine, as they are generated;
@@ -72,17 +69,14 @@ class PromptTexts:
 
     ``corpora``: which sequences to hold (those the enabled sources read). Members write their
     responses with ``extend``; the engines write every sample's new tokens once per engine step,
-    in request-id order, before any sample proposes, so two engines that step alike match alike.
-    ``suffix_k``: the most tokens a long match proposes; ``recouple``: draws are keyed by context,
-    so a response that meets its own draft again draws as the draft did."""
+    in request-id order, before any sample proposes, so two engines that step alike match alike."""
 
     def __init__(self, prompt: Sequence[int], drafts: Sequence[Sequence[int]] = (),
                  history: Sequence[Sequence[int]] = (), min_match: int = 2, max_match: int = 8,
-                 corpora: Sequence[str] = CORPORA, suffix_k: int = 32, recouple: bool = False):
+                 corpora: Sequence[str] = CORPORA):
         if not 1 <= min_match <= max_match:
             raise ValueError(f"need 1 <= min_match <= max_match, got {min_match}, {max_match}")
         self.min_match, self.max_match = min_match, max_match
-        self.suffix_k, self.recouple = suffix_k, recouple
         self.prompt = [int(t) for t in prompt]
         self.corpora = frozenset(corpora)
         self.sequences: list[list[int]] = []
@@ -184,7 +178,6 @@ class NgramSource:
     name: str
     corpus: str
     whose: str = "any"   # own | others | any
-    recouples: bool = False   # a match proposes up to suffix_k tokens where draws re-couple
 
     @property
     def reads_siblings(self) -> bool:
@@ -194,9 +187,7 @@ class NgramSource:
         for n, places in lookup.hits:
             for s, (first, _) in places.items():
                 if texts.corpus_of[s] == self.corpus and self._whose(texts.mine(s, member)):
-                    return Match(n, s, first,
-                                 limit=texts.suffix_k if self.recouples and texts.recouple
-                                 else None)
+                    return Match(n, s, first)
         return None
 
     def _whose(self, mine: bool) -> bool:
@@ -241,7 +232,7 @@ def register_source(source: ProposalSource, corpora: Sequence[str]) -> ProposalS
 
 register_source(NgramSource("prompt", "prompt"), ("prompt",))
 register_source(NgramSource("bubble", "drafts", "others"), ("drafts",))
-register_source(NgramSource("realign", "drafts", "own", recouples=True), ("drafts",))
+register_source(NgramSource("realign", "drafts", "own"), ("drafts",))
 register_source(NgramSource("history", "history"), ("history",))
 register_source(NgramSource("self", "responses", "own"), ("responses",))
 register_source(NgramSource("siblings", "responses", "others"), ("responses",))
