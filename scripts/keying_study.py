@@ -7,7 +7,7 @@ position, token). A response that
 leaves its draft and meets the draft's text again one token later draws with other noise from
 then on, so the two stay apart even where the policies agree. Keyed instead by (sample key, the
 last k tokens, how often that k-gram occurred earlier in the response, token) (``context<k>``,
-``megatron_bubblespec.draw_words``), every draw of a
+``megatron_bubblespec.sampling.draw_words``), every draw of a
 response still has a key of its own (a k-gram's occurrences are counted, so two positions never
 share one: sampling stays exact), and a response that meets its draft's text again draws with
 the draft's noise again. This script measures whether that matters on real consecutive policies.
@@ -51,7 +51,7 @@ import torch
 
 from megatron_bubblespec.config import load_config
 from megatron_bubblespec.data.lookahead import LookaheadSampler
-from megatron_bubblespec.draw_words import Keying
+from megatron_bubblespec.sampling.draw_words import Keying
 from megatron_bubblespec.loop.checkpoint import complete_checkpoints
 from megatron_bubblespec.loop.replica import build_task, resolve_model
 from megatron_bubblespec.machine import machine_info

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from megatron_bubblespec import draw_words
-from megatron_bubblespec.draw_words import KEYINGS, Keying
+from megatron_bubblespec.sampling import draw_words
+from megatron_bubblespec.sampling.draw_words import KEYINGS, Keying
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.sampling.requests import RolloutRequest
 from megatron_bubblespec.speculative.verify import draft_words

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from megatron_bubblespec.draw_words import Keying
+from megatron_bubblespec.sampling.draw_words import Keying
 from megatron_bubblespec.models.architecture import load_checkpoint
 from megatron_bubblespec.rollout.reference import ReferenceEngine
 from megatron_bubblespec.rollout.torch_llama import TorchLlama

@@ -22,7 +22,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from megatron_bubblespec.draw_words import Keying  # noqa: E402
+from megatron_bubblespec.sampling.draw_words import Keying  # noqa: E402
 from megatron_bubblespec.rollout.reference import ReferenceEngine  # noqa: E402
 from megatron_bubblespec.rollout.vllm_engine import VLLMEngine  # noqa: E402
 from megatron_bubblespec.sampling import SamplingParams, sample_key  # noqa: E402

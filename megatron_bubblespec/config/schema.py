@@ -15,8 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_bubblespec.draw_words import KEYINGS
-
 # No run's tokens, counts or rollout work depend on this key: where and how often the run
 # checkpoints, its watchdogs, what it logs.
 OBSERVER = {"identity": "observer"}
@@ -79,8 +77,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
-    # what keys each draw's noise (draw_words): its response position, or its last k tokens and
-    # their count (context<k>: a response that meets its draft's text again draws as the draft did)
+    # what keys each draw's noise (sampling.draw_words): its response position, or its last k
+    # tokens and their count (context<k>: a response that meets its draft's text again draws as
+    # the draft did)
     keying: str = "position"
     max_new_tokens: int = 384
     samples_per_prompt: int = 2
@@ -223,6 +222,8 @@ class Config:
 # What speculative continuation proposes from (``speculative.pool``, where each is described).
 # Which of a step's samples a bubble drafts first (``speculative.queue``, where each is described).
 DRAFT_ORDERS = ("engines", "stragglers")
+# What keys a draw's noise: its position, or its last k tokens (``sampling.draw_words``).
+KEYINGS = ("position",) + tuple(f"context{k}" for k in range(1, 9))
 
 CHOICES = {
     "rollout.engine": ("vllm", "reference"),

@@ -1,8 +1,8 @@
 """The rollout engine protocol: requests (prompt, key, fixed prefix) -> keyed generation -> results.
 
-Every engine draws every token with the keyed sampler, keyed by its draw word (``draw_words``:
-its absolute response position, or the tokens before it), so two engines holding the same
-weights produce the same tokens for the same keys, and a request that
+Every engine draws every token with the keyed sampler, keyed by its draw word
+(``sampling.draw_words``: its absolute response position, or the tokens before it), so two
+engines holding the same weights produce the same tokens for the same keys, and a request that
 starts from an already-fixed response prefix (tokens accepted by verification) continues exactly
 as an uninterrupted generation would.
 

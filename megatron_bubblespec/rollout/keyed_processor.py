@@ -2,9 +2,9 @@
 
 ``KeyedLogitsProcessor`` draws each tracked row's token with the project's keyed sampler
 (``sampling.keyed_draw``; on CPU through the C++ scan of ``sampling.hash_kernel``, built when the
-processor starts) at the row's draw word (``draw_words``: its absolute response position, or its
-context) and sets every other logit to -inf, so vLLM's own sampler, run greedy, merely picks the
-forced token. A request opts in with ``extra_args[EXTRA_ARGS_KEY]`` (``keyed_extra_args``). The
+processor starts) at the row's draw word (``sampling.draw_words``: its absolute response
+position, or its context) and sets every other logit to -inf, so vLLM's own sampler, run greedy,
+merely picks the forced token. A request opts in with ``extra_args[EXTRA_ARGS_KEY]`` (``keyed_extra_args``). The
 processor has no request ids: it follows rows through the batch update's removed / added / moved
 lists, and a row's response is its prompt's last ``offset`` tokens followed by vLLM's live list of
 its output token ids (never count ``apply`` calls, chunked prefill calls it on rows whose sample
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDirectionality
 
-from megatron_bubblespec.draw_words import Keying, ResponseWords
+from megatron_bubblespec.sampling.draw_words import Keying, ResponseWords
 from megatron_bubblespec.sampling import SamplingParams, hash_kernel
 from megatron_bubblespec.sampling.keyed_draw import keyed_sample_sparse
 

@@ -17,7 +17,7 @@ from typing import Iterable
 
 import torch
 
-from megatron_bubblespec.draw_words import ResponseWords
+from megatron_bubblespec.sampling.draw_words import ResponseWords
 from megatron_bubblespec.models.architecture import load_checkpoint
 from megatron_bubblespec.rollout.base import RolloutEngine
 from megatron_bubblespec.rollout.reference_verify import verify_with_model

@@ -10,7 +10,7 @@ depends only on (key, position, token id), two different forwards that produce t
 the same token: a drafter and a verifier that share a sample's key share its noise, which is what
 makes verification exact for any proposal (see ``megatron_bubblespec.speculative.verify``).
 A draw's word is its response position or, with ``rollout.keying: context<k>``, a hash of the k
-tokens before it (``megatron_bubblespec.draw_words``, which keeps a response's words distinct);
+tokens before it (``megatron_bubblespec.sampling.draw_words``, which keeps a response's words distinct);
 this module takes the words and calls them positions.
 
 The noise u(key, i, v)
@@ -54,8 +54,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_bubblespec.sampling.draw_words import Keying
 from megatron_bubblespec.splitmix import chain
-from megatron_bubblespec.draw_words import Keying
 
 MASK32 = 0xFFFFFFFF
 _HIGH_BIT = 1 << 31

@@ -18,9 +18,9 @@ and end each sample's response at its first EOS (``sampling.requests.settle_eos`
   draft; it exists to measure what inexactness costs and is labelled so everywhere.
 
 Shapes: ``target_logits`` [B, L+1, V] holds, at index j, the logits that predict response position
-``start + j`` given the prompt, the response so far and draft[:j]; ``words`` [B, L+1] are the draw
-words of those positions (``draw_words``: row j's word follows draft[:j]), or [B] the start
-positions when draws are keyed by position; ``draft`` [B, L] is right-padded,
+``start + j`` given the prompt, the response so far and draft[:j]; ``words`` [B, L+1] are the
+draw words of those positions (``sampling.draw_words``: row j's word follows draft[:j]), or [B]
+the start positions when draws are keyed by position; ``draft`` [B, L] is right-padded,
 ``draft_lens`` [B] gives the real lengths (0 = no draft: the result is one plain keyed draw); the
 padding may hold any value. ``vocab_size`` excludes Megatron's vocabulary padding columns.
 """

@@ -25,10 +25,10 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
+from megatron_bubblespec.config.schema import KEYINGS
 from megatron_bubblespec.splitmix import chain
 
 MASK32 = 0xFFFFFFFF
-KEYINGS = ("position",) + tuple(f"context{k}" for k in range(1, 9))   # rollout.keying's values
 
 
 @dataclass(frozen=True)
