@@ -2,9 +2,10 @@
 Megatron), with a rollout engine on every rank group (rollout TP 1: an engine per rank; rollout TP
 2: one per TP pair, or one per replica across its two pipeline stages): BubbleSpec on and off
 give the same tokens, losses and final weights at TP 2 x PP 2 x DP 1 (a single replica, whose
-engines wait for each other; draws keyed by context there, by position elsewhere); every layout, drafts verified by Megatron or (TP 2 x DP 2) inside
-each engine's rollout, gives the DP 2 off run's tokens and has the engines its layout promises;
-and a rank stuck at start-up is ended by SIGTERM with a message naming its stage.
+engines wait for each other; draws keyed by context there, by position elsewhere); every layout,
+drafts verified by Megatron or (TP 2 x DP 2) inside each engine's rollout, gives the DP 2 off
+run's tokens and has the engines its layout promises; and a rank stuck at start-up is ended by
+SIGTERM with a message naming its stage.
 """
 
 import os
