@@ -79,8 +79,8 @@ class KeyedLogitsProcessor(LogitsProcessor):
         if torch.device(device).type == "cpu":
             hash_kernel.load()   # build (or load) the C++ scan now, not in the first step
         self.rows: dict[int, _Row] = {}
-        # This spec step's proposed tokens per batch row while the rejection sampler samples
-        # the bonus rows (set by ``vllm_patches``), else None.
+        # This spec step's proposed tokens per batch row while the rejection sampler runs (its
+        # draft rows and bonus rows; set by ``vllm_patches``), else None.
         self.proposed: list[list[int]] | None = None
 
     def is_argmax_invariant(self) -> bool:
@@ -124,12 +124,15 @@ class KeyedLogitsProcessor(LogitsProcessor):
             targets.append((index, row, row.ahead(tokens)[len(tokens)]))
         return self._force(logits, targets)
 
-    def force_draft_rows(self, logits: torch.Tensor, proposed: list[list[int]]):
-        """The rejection sampler's draft rows: request i's rows, one per proposed token, are
-        consecutive, in batch order; row j is keyed after the request's response and the
-        proposed tokens before j."""
+    def force_draft_rows(self, logits: torch.Tensor):
+        """The rejection sampler's draft rows: request i's rows, one per token of
+        ``proposed[i]``, are consecutive, in batch order; row j is keyed after the request's
+        response and the proposed tokens before j."""
+        if self.proposed is None:
+            raise RuntimeError("draft rows outside a spec-decode step: vllm_patches sets this "
+                               "step's proposed tokens in RejectionSampler.forward")
         targets, start = [], 0
-        for index, tokens in enumerate(proposed):
+        for index, tokens in enumerate(self.proposed):
             row = self.rows.get(index)
             if row is None and tokens:
                 raise RuntimeError(f"batch row {index} has {len(tokens)} proposed tokens but "

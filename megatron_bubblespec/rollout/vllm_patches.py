@@ -102,10 +102,8 @@ def _patch_rejection_sampler() -> None:
     @functools.wraps(apply_original)
     def apply_logits_processors(self, logits, sampling_metadata, metadata):
         logits = apply_original(self, logits, sampling_metadata, metadata)
-        keyed = _keyed(sampling_metadata.logitsprocs.non_argmax_invariant)
-        proposed = _proposed(metadata) if keyed else []
-        for processor in keyed:
-            logits = processor.force_draft_rows(logits, proposed)
+        for processor in _keyed(sampling_metadata.logitsprocs.non_argmax_invariant):
+            logits = processor.force_draft_rows(logits)   # ``proposed`` set by ``forward``
         return logits
 
     @functools.wraps(forward_original)

@@ -58,8 +58,6 @@ class Keying:
               draft: Sequence[int] = ()) -> list[int]:
         """The words of the draws of response tokens len(response) .. len(response) +
         len(draft): the draw after ``response`` and after each prefix of ``draft``."""
-        if not self.context:   # no need to walk the response
-            return list(range(len(response), len(response) + len(draft) + 1))
         return self.tracker(prompt, response).ahead(draft)
 
 
@@ -75,14 +73,18 @@ class ResponseWords:
         self.used: set[int] = set()                          # words of the draws so far
 
     def word(self) -> int:
+        if not self.context:
+            return self.length
         return self._word(self.tail, self.seen[self.tail], self.used.__contains__)
 
     def extend(self, tokens: Sequence[int]) -> None:
+        if not self.context:   # a position is a count: nothing to walk
+            self.length += len(tokens)
+            return
         for token in tokens:
-            if self.context:
-                self.used.add(self.word())
-                self.seen[self.tail] += 1
-                self.tail = (self.tail + (int(token),))[-self.context:]
+            self.used.add(self.word())
+            self.seen[self.tail] += 1
+            self.tail = (self.tail + (int(token),))[-self.context:]
             self.length += 1
 
     def ahead(self, draft: Sequence[int]) -> list[int]:
@@ -100,8 +102,6 @@ class ResponseWords:
         return words
 
     def _word(self, tail: tuple, count: int, taken) -> int:
-        if not self.context:
-            return self.length
         word = chain(*tail, count, len(tail)) & MASK32
         while taken(word):   # a collision with an earlier draw's word: the next free word
             word = (word + 1) & MASK32
