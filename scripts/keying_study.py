@@ -76,29 +76,61 @@ def keying_factory(name: str):
 
 # ---------------------------------------------------------------------------------- generation
 
+PREFILL_TOKENS = 8192   # padded tokens a prefill forward takes at most (its logits: 1.6 GB here)
+
+
+def prefill(model: TorchLlama, rows: list[list[int]], slots: torch.Tensor) -> torch.Tensor:
+    """Every row's prompt into its cache slot -> each row's last logits [len(rows), V]; the rows
+    go in as few forwards as ``PREFILL_TOKENS`` allows (a forward's logits cover every
+    position)."""
+    out, start = [], 0
+    while start < len(rows):
+        end = start + 1
+        while end < len(rows) and (end + 1 - start) * max(map(len, rows[start:end + 1])) \
+                <= PREFILL_TOKENS:
+            end += 1
+        tokens, lengths = pad_token_rows(rows[start:end])
+        logits = model.forward(tokens, slots[start:end], torch.zeros_like(lengths), lengths)
+        out.append(logits[torch.arange(end - start), lengths - 1])
+        start = end
+    return torch.cat(out) if out else torch.empty(0)
+
+
 @torch.no_grad()
 def generate(model: TorchLlama, prompts: list[list[int]], keys: list[int], eos: tuple[int, ...],
-             params: SamplingParams, budget: int, keying) -> list[list[int]]:
-    """Keyed sampling of every prompt to EOS or ``budget`` tokens, in one batch whose finished
-    rows leave it; each row's noise words come from its own ``keying`` state."""
+             params: SamplingParams, budget: int | list[int], keying,
+             prefixes: list[list[int]] | None = None,
+             runners_up: list[list[tuple[int, float]]] | None = None) -> list[list[int]]:
+    """Keyed sampling of every prompt to EOS or ``budget`` response tokens (one for all, or one
+    per row), in one batch whose finished rows leave it; each row's noise words come from its own
+    ``keying`` state.
+
+    ``prefixes``: response tokens each row starts from (returned as the response's first tokens);
+    ``runners_up``: filled per row with (the second-best token, its score's gap to the drawn one)
+    for every drawn token, the scores being the keyed draw's perturbed scores."""
     n = len(prompts)
+    prefixes = prefixes or [[] for _ in range(n)]
+    budgets = budget if isinstance(budget, list) else [budget] * n
     slots = torch.tensor([model.cache.acquire() for _ in range(n)])
-    states = [keying(list(p)) for p in prompts]
-    responses: list[list[int]] = [[] for _ in range(n)]
-    tokens, lengths = pad_token_rows(prompts)
-    logits = model.forward(tokens, slots, torch.zeros_like(lengths), lengths)
-    last = logits[torch.arange(n), lengths - 1]
-    active = list(range(n))
+    states = [keying(list(p), list(x)) for p, x in zip(prompts, prefixes)]
+    responses: list[list[int]] = [list(x) for x in prefixes]
+    active = [r for r in range(n) if len(responses[r]) < budgets[r]]
+    last = prefill(model, [list(prompts[r]) + list(prefixes[r]) for r in active], slots[active])
     while active:
         words = [states[r].word() for r in active]
         scores = perturbed_scores(last, torch.tensor([keys[r] for r in active]),
                                   torch.tensor(words), params)
         drawn = torch.argmax(scores, dim=-1).tolist()
+        if runners_up is not None:
+            for r, row, token in zip(active, scores, drawn):
+                best = torch.topk(row, 2)   # the drawn token and the runner-up, in either order
+                second = int(best.indices[1] if int(best.indices[0]) == token else best.indices[0])
+                runners_up[r].append((second, float(row[token] - row[second])))
         still = []
         for r, token in zip(active, drawn):
             responses[r].append(token)
             states[r].extend((token,))
-            if token not in eos and len(responses[r]) < budget:   # the first EOS ends it
+            if token not in eos and len(responses[r]) < budgets[r]:   # the first EOS ends it
                 still.append(r)
         active = still
         if not active:
@@ -116,28 +148,38 @@ def generate(model: TorchLlama, prompts: list[list[int]], keys: list[int], eos: 
 # -------------------------------------------------------------------------------------- replay
 
 def replay(draft: list[int], response: list[int], *, cap: int = 32, min_match: int = 3,
-           max_match: int = 8) -> dict:
+           max_match: int = 8, forks: list[list[int]] = (),
+           divergences: list | None = None) -> dict:
     """Walk ``response`` as an engine would with ``draft`` as its only proposal source: an engine
     step proposes up to ``cap`` draft tokens and gains the accepted ones plus one drawn token.
     Aligned from the start; after a rejection the draft is searched for the response's last
     ``max_match`` .. ``min_match`` tokens (longest first; the first place after the last aligned
-    one, else the first place) and proposes what follows there."""
-    index: dict[tuple, list[int]] = {}
-    for m in range(min_match, max_match + 1):
-        for end in range(m, len(draft) + 1):
-            index.setdefault(tuple(draft[end - m:end]), []).append(end)
+    one, else the first place) and proposes what follows there.
+
+    ``forks``: more texts of the same response (a fork: a prefix of the draft, another token,
+    and what followed it), searched after the draft alike. ``divergences``: filled with (text,
+    place, drawn token) wherever the response, aligned with a text, drew another token than the
+    text's at that place."""
+    texts = [draft, *forks]
+    index: dict[tuple, list[tuple[int, int]]] = {}
+    for t, text in enumerate(texts):
+        for m in range(min_match, max_match + 1):
+            for end in range(m, len(text) + 1):
+                index.setdefault(tuple(text[end - m:end]), []).append((t, end))
     prefix = common_prefix(draft, response)
-    i, steps, steps_after, covered, covered_after, pointer, last_aligned = 0, 0, 0, 0, 0, 0, 0
+    i, steps, steps_after, covered, covered_after = 0, 0, 0, 0, 0
+    pointer, last_aligned = (0, 0), [0] * len(texts)
     while i < len(response):
         after = i > prefix          # past the first divergence and the token drawn there
         if pointer is None and i >= min_match:
             for m in range(min(max_match, i), min_match - 1, -1):
                 places = index.get(tuple(response[i - m:i]))
                 if places:
-                    later = [p for p in places if p > last_aligned]
+                    later = [(t, e) for t, e in places if e > last_aligned[t]]
                     pointer = later[0] if later else places[0]
                     break
-        proposal = draft[pointer:pointer + cap] if pointer is not None else []
+        text = texts[pointer[0]] if pointer is not None else []
+        proposal = text[pointer[1]:pointer[1] + cap] if pointer is not None else []
         accepted = common_prefix(proposal, response[i:])
         covered += accepted
         covered_after += accepted if after else 0
@@ -147,14 +189,16 @@ def replay(draft: list[int], response: list[int], *, cap: int = 32, min_match: i
         drew = i < len(response)    # the step's own draw, unless the proposal ended the response
         i += drew
         if pointer is not None:
-            nxt = pointer + accepted
-            # the drawn token continues the alignment only if the draft has it next
-            if drew and accepted == len(proposal) and nxt < len(draft) \
-                    and draft[nxt] == response[i - 1]:
-                pointer = nxt + 1
-                last_aligned = pointer
+            t, nxt = pointer[0], pointer[1] + accepted
+            # the drawn token continues the alignment only if the text has it next
+            if drew and accepted == len(proposal) and nxt < len(text) \
+                    and text[nxt] == response[i - 1]:
+                pointer = (t, nxt + 1)
+                last_aligned[t] = nxt + 1
             else:
-                last_aligned = max(last_aligned, nxt)
+                if divergences is not None and drew and nxt < len(text):
+                    divergences.append((t, nxt, response[i - 1]))
+                last_aligned[t] = max(last_aligned[t], nxt)
                 pointer = None
     return {"tokens": len(response), "prefix": prefix, "covered": covered, "steps": steps,
             "covered_after": covered_after, "steps_after": steps_after}
@@ -202,6 +246,26 @@ def version_dir(run: Path, out: Path, version: int, cfg) -> Path:
 
 # ---------------------------------------------------------------------------------------- main
 
+def sample_book(cfg, arch) -> SampleBook:
+    """The run's samples: its task's prompts, dealt and keyed as the run dealt and keyed them."""
+    task = build_task(cfg, arch)
+    return SampleBook(task, LookaheadSampler(cfg.run.seed, task.size, cfg.rollout.prompts_per_step,
+                                             cfg.parallel.data, cfg.rollout.samples_per_prompt),
+                      cfg.run.seed)
+
+
+def pair_samples(book: SampleBook, step: int, at_least: int = 0) -> list:
+    """Step ``step``'s samples (W_{t+1} rolls out step t + 1: the bubble of step t drafted it with
+    W_t), then the following steps' under their own keys until there are ``at_least`` (any key
+    serves: draft and rollout share it)."""
+    samples = [book.sample(step, g) for g in range(book.batch(step).num_samples)]
+    extra = step + 1
+    while len(samples) < at_least:
+        samples += [book.sample(extra, g) for g in range(book.batch(extra).num_samples)]
+        extra += 1
+    return samples
+
+
 def parse_versions(text: str) -> list[int]:
     if "-" in text:
         first, last = (int(x) for x in text.split("-"))
@@ -233,10 +297,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     versions = parse_versions(args.versions)
     arch, _ = load_checkpoint(version_dir(args.run, args.out, 0, cfg))
-    task = build_task(cfg, arch)
-    book = SampleBook(task, LookaheadSampler(cfg.run.seed, task.size, cfg.rollout.prompts_per_step,
-                                             cfg.parallel.data, cfg.rollout.samples_per_prompt),
-                      cfg.run.seed)
+    book = sample_book(cfg, arch)
     r = cfg.rollout
     params = SamplingParams(r.temperature, r.top_k, r.top_p)
     keyings = {name: keying_factory(name) for name in args.keyings.split(",")}
@@ -250,13 +311,7 @@ def main(argv=None) -> int:
         if (before, after) in done:
             pairs.append(done[(before, after)])
             continue
-        step = after   # W_{t+1} rolls out step t + 1: the bubble of step t drafted it with W_t
-        samples = [book.sample(step, g) for g in range(book.batch(step).num_samples)]
-        extra = step + 1
-        while args.prompts and len(samples) < args.prompts * r.samples_per_prompt:
-            # later steps' prompts under their own keys: any key serves, draft and rollout share it
-            samples += [book.sample(extra, g) for g in range(book.batch(extra).num_samples)]
-            extra += 1
+        samples = pair_samples(book, after, args.prompts * r.samples_per_prompt)
         prompts = [list(s.prompt.token_ids) for s in samples]
         keys = [s.key for s in samples]
         eos = samples[0].eos_token_ids
