@@ -112,25 +112,30 @@ def test_the_queue_keeps_the_forks_a_newer_draft_still_has_and_checkpoints_them(
 
 
 def test_a_bubble_forks_its_longest_finished_drafts_first_and_attaches_the_forks():
-    forking = _Forking(per_draft=2, max_tokens=3)
+    forking = _Forking(per_draft=2, max_tokens=3, nearest_step=5)
     short = RolloutRequest("draft5-0", [1, 2], 100, 16, eos_token_ids=(2,))
     long = RolloutRequest("draft5-1", [1, 2], 101, 16, eos_token_ids=(2,))
-    forking.watch(short)
-    forking.watch(long)
-    assert short.runners_up and long.runners_up
+    later = RolloutRequest("draft6-0", [1, 2], 102, 16, eos_token_ids=(2,))
+    for request in (short, long, later):
+        forking.watch(request)
+    assert short.runners_up and long.runners_up and later.runners_up
 
     def result(request, tokens, runners_up):
         return RolloutResult(request.request_id, list(tokens), [0.0] * len(tokens), 1, "eos",
                              runners_up=runners_up)
 
+    forking.offer((6, 0), result(later, (7, 8, 9, 10, 11, 12, 2), {0: (9, 0.1)}))
+    assert forking.waiting and not forking.urgent and forking.take(4, urgent_only=True) == []
     forking.offer((5, 0), result(short, (7, 8, 2), {0: (9, 0.1), 1: (9, 0.2)}))
     forking.offer((5, 1), result(long, (7, 8, 9, 10, 2), {1: (3, 0.05), 3: (4, 0.5),
                                                           2: (6, 1.5)}))
-    taken = forking.take(3)
+    assert forking.urgent
+    taken = forking.take(9, urgent_only=True)   # the nearest step's, longest draft first
     assert [(r.request_id, r.response_prefix, r.max_new_tokens) for r in taken] == [
         ("fork-draft5-1-1", [7, 3], 5), ("fork-draft5-1-3", [7, 8, 9, 4], 7),
-        ("fork-draft5-0-0", [9], 4)]
-    assert taken[0].key == 101 and taken[0].drafting and forking.waiting   # one left
+        ("fork-draft5-0-0", [9], 4), ("fork-draft5-0-1", [7, 9], 5)]
+    assert taken[0].key == 101 and taken[0].drafting
+    assert not forking.urgent and forking.waiting                         # step 6's is left
     assert forking.collect(result(taken[0], [7, 3, 5, 5, 2], {}))
     assert forking.collect(result(taken[1], [7, 8, 9, 4], {}))            # nothing past it
     assert not forking.collect(result(long, [7], {}))                     # not a fork's

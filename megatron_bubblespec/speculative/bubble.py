@@ -17,11 +17,13 @@ engine can measure its overshoot (time spent drafting after the barrier had in f
 most one engine step). An engine that never arrives makes the others fail after ``timeout_s`` with
 a message naming the step and how many engines had arrived, never a silent hang.
 
-Forks (``spec.forks`` > 0): drafting requests keep each draw's runner-up and margin; when the
-cursor has nothing left and a slot is free, the engine drafts, for each draft it finished in this
-bubble (longest first: the likeliest straggler), the runner-up's text at the draft's ``forks``
+Forks (``spec.forks`` > 0): drafting requests keep each draw's runner-up and margin; for each
+draft the engine finished in this bubble it drafts the runner-up's text at the draft's ``forks``
 smallest-margin draws (``fork_places``), ``fork_tokens`` tokens each, as a request whose response
-prefix is the draft up to that place and the runner-up. A response of the next policy leaves its
+prefix is the draft up to that place and the runner-up. The forks of the nearest step's drafts
+(verified next, by the policy one update on) take the free slots before anything else the cursor
+holds, longest draft first (the likeliest straggler); the others wait until the cursor has
+nothing left. A response of the next policy leaves its
 draft at a near tie most often, and then mostly for the runner-up (docs/results/fork-study.md).
 The forks ride with their draft (``Draft.forks``).
 """
@@ -97,13 +99,14 @@ class BubbleDrafter:
                          next_request)
         # request id -> (sample, key, prefix length, prompt length, the draft it refreshes)
         pending: dict[str, tuple[SampleId, int, int, int, tuple[int, ...]]] = {}
-        forking = _Forking(self.forks, self.fork_tokens)
+        forking = _Forking(self.forks, self.fork_tokens, min((s[0] for s in samples),
+                                                             default=None))
         self.computed = {s: n for s, n in self.computed.items() if s[0] > step}
         while self.store.add(arrive, 0) < self.num_engines:
             self._check_timeout(step, arrive, arrived_at)
+            if forking.urgent or (cursor.exhausted and forking.waiting):
+                self._claim_forks(forking, len(pending), all_waiting=cursor.exhausted)
             self._claim(cursor, pending, stats, forking)
-            if cursor.exhausted and forking.waiting:
-                self._claim_forks(forking, len(pending))
             if not self.engine.has_unfinished():
                 time.sleep(self.poll_s)  # nothing left to draft: plain waiting
                 continue
@@ -149,9 +152,11 @@ class BubbleDrafter:
                 forking.watch(r)
             self.engine.add([r for _, r in chunk], self.params)
 
-    def _claim_forks(self, forking: _Forking, in_flight: int) -> None:
-        """The next forks, as many as the drafting batch has room for."""
-        requests = forking.take(self.claims.in_flight - in_flight - len(forking.running))
+    def _claim_forks(self, forking: _Forking, in_flight: int, all_waiting: bool) -> None:
+        """The next forks (the nearest step's only, unless ``all_waiting``), as many as the
+        drafting batch has room for."""
+        requests = forking.take(self.claims.in_flight - in_flight - len(forking.running),
+                                urgent_only=not all_waiting)
         if requests:
             self.engine.add(requests, self.params)
 
@@ -199,16 +204,22 @@ class _Forking:
     """One bubble's forks: the finished drafts offered, the fork requests running, the forks
     made (see the module doc)."""
 
-    def __init__(self, per_draft: int, max_tokens: int):
-        self.per_draft, self.max_tokens = per_draft, max_tokens
+    def __init__(self, per_draft: int, max_tokens: int, nearest_step: int | None = None):
+        self.per_draft, self.max_tokens, self.nearest_step = per_draft, max_tokens, nearest_step
         self.drafting: dict[str, RolloutRequest] = {}     # request id -> a drafting request
-        self.offered: list[tuple[int, int, SampleId, tuple[int, ...], RolloutRequest]] = []
+        # (later than the nearest step, -draft length, place, sample, draft, fork request)
+        self.offered: list[tuple[bool, int, int, SampleId, tuple[int, ...], RolloutRequest]] = []
         self.running: dict[str, tuple[SampleId, tuple[int, ...], int]] = {}
         self.made: dict[SampleId, tuple[tuple[int, ...], list[Fork]]] = {}
 
     @property
     def waiting(self) -> bool:
         return bool(self.offered)
+
+    @property
+    def urgent(self) -> bool:
+        """Whether a fork of the nearest step's drafts waits."""
+        return bool(self.offered) and not self.offered[0][0]
 
     def watch(self, request: RolloutRequest) -> None:
         """A drafting request claimed: with forks on it keeps its draws' runner-ups."""
@@ -217,7 +228,8 @@ class _Forking:
             self.drafting[request.request_id] = request
 
     def offer(self, sample: SampleId, result: RolloutResult) -> None:
-        """A finished draft: the requests of its forks wait, longest draft first."""
+        """A finished draft: the requests of its forks wait, the nearest step's first, then
+        longest draft first."""
         request = self.drafting.pop(result.request_id, None)
         if request is None:
             return
@@ -231,13 +243,18 @@ class _Forking:
                                   list(request.prompt_token_ids), request.key, budget,
                                   response_prefix=list(tokens[:place]) + [runner_up],
                                   eos_token_ids=request.eos_token_ids, drafting=True)
-            self.offered.append((-len(tokens), place, sample, tokens, fork))
-        self.offered.sort(key=lambda o: o[:2])
+            self.offered.append((sample[0] != self.nearest_step, -len(tokens), place, sample,
+                                 tokens, fork))
+        self.offered.sort(key=lambda o: o[:3])
 
-    def take(self, room: int) -> list[RolloutRequest]:
-        """Up to ``room`` waiting fork requests, now running."""
-        taken, self.offered = self.offered[:max(room, 0)], self.offered[max(room, 0):]
-        for _, place, sample, tokens, request in taken:
+    def take(self, room: int, urgent_only: bool = False) -> list[RolloutRequest]:
+        """Up to ``room`` waiting fork requests (of the nearest step's drafts only, with
+        ``urgent_only``), now running."""
+        n = max(room, 0)
+        if urgent_only:
+            n = min(n, sum(1 for o in self.offered if not o[0]))
+        taken, self.offered = self.offered[:n], self.offered[n:]
+        for *_, place, sample, tokens, request in taken:
             self.running[request.request_id] = (sample, tokens, place)
         return [request for *_, request in taken]
 
