@@ -131,12 +131,6 @@ class SpecConfig:
     # first, its engine verifying the old draft as proposals (speculative.queue; engine verifier
     # only)
     refresh_drafts: bool = True
-    # a bubble with time left after its drafts and refreshes drafts, for each draft it finished
-    # (longest first), the runner-up's text at the draft's ``forks`` smallest-margin draws, up to
-    # ``fork_tokens`` tokens each; the rollout's own draft goes on as the fork a response takes
-    # (speculative.bubble; vLLM engine verifier only). 0: no forks
-    forks: int = 0
-    fork_tokens: int = 256
 
 
 @dataclass
@@ -262,8 +256,6 @@ BOUNDS = {
     "spec.max_draft_tokens": (lambda v: v >= 0, ">= 0"),
     "spec.draft_chunk": (lambda v: v >= 1, ">= 1"),
     "spec.draft_in_flight": (lambda v: v >= 1, ">= 1"),
-    "spec.forks": (lambda v: v >= 0, ">= 0"),
-    "spec.fork_tokens": (lambda v: v >= 1, ">= 1"),
     "spec.draft_prefill_tokens": (lambda v: v >= 0, ">= 0 (0 = no bound)"),
     "spec.spec_k": (lambda v: v >= 1, ">= 1"),
     "spec.suffix_k": (lambda v: v >= 1, ">= 1"),

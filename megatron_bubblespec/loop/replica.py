@@ -198,8 +198,7 @@ def build_replica(cfg: Config) -> Replica:
             engine = LockstepEngine(engine_shard, engine_cpu_group())
         drafter = BubbleDrafter(default_store(), layout.num_engines, engine, params,
                                 policy.claims, timeout_s=cfg.spec.barrier_timeout_s,
-                                namespace=f"bubblespec/{cfg.run.name}", forks=policy.forks,
-                                fork_tokens=cfg.spec.fork_tokens)
+                                namespace=f"bubblespec/{cfg.run.name}")
     verifier = build_verifier(cfg, params, model=model, arch=arch, engine=engine)
     return Replica(cfg, arch, path, params, task, sampler, trainer, verifier, trainer.resharder(),
                    engine, drafter, engine_shard, layout, replica_group, world_group, state,

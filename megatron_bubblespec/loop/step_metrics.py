@@ -30,8 +30,7 @@ def bubble_metrics(stats: BubbleStats, drafted_anything: bool) -> dict:
             "bubble/engine_steps": stats.engine_steps,
             "bubble/new_tokens": stats.new_tokens,
             "bubble/refreshed_drafts": stats.refreshed,
-            "bubble/prefill_tokens": stats.prefill_tokens,
-            "bubble/forks": stats.forks, "bubble/fork_tokens": stats.fork_tokens}
+            "bubble/prefill_tokens": stats.prefill_tokens}
 
 
 def engine_metrics(mine: EngineRollout, drafted: list[int], accepted: list[int],

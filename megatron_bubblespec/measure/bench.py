@@ -58,9 +58,7 @@ The comparison:
   ``decode_steps_ratio_ceiling_full_coverage`` = 1 - accept_per_token (drafts covering every
   response); speculative continuation (rollout proposals, ``spec.proposal_sources``):
   ``continuation_proposed_tokens``, ``continuation_accepted_tokens``, ``continuation_accept_rate``
-  (accepted / proposed), and per source ``continuation_{proposed,accepted}_tokens_<source>``
-  (``fork``: a rollout's own draft going on as its fork); ``forks``, ``fork_tokens``: what the
-  bubbles drafted at the drafts' near ties (``spec.forks``);
+  (accepted / proposed), and per source ``continuation_{proposed,accepted}_tokens_<source>``;
 * bubble, over all steps (the drafts of step t are made in the bubble of step t - 1):
   ``bubble_ratio_off`` = idle share of the off run's rank rollout time (the bubble there is to use),
   ``bubble_ratio_on``, ``bubble_utilization`` = on drafting time / on idle time of the bubbles
@@ -210,8 +208,6 @@ def compare_steps(on: Sequence[Record], off: Sequence[Record], plain: Sequence[R
         "accept_rate": ratio(accepted, drafted),
         "drafted_tokens": drafted,
         "accepted_tokens": accepted,
-        "forks": total_of(on, "bubble/forks"),
-        "fork_tokens": total_of(on, "bubble/fork_tokens"),
         "draft_len_mean": ratio(drafted, samples),
         "draft_coverage": coverage,
         "accepted_coverage": ratio(accepted + (0.0 if math.isnan(continued) else continued),

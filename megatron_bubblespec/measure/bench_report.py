@@ -14,17 +14,15 @@ from megatron_bubblespec.metrics.formatting import (count, number, percent, scie
                                                     value)
 from megatron_bubblespec.metrics.registry import (BENCH_STEP_COLUMNS, BENCH_STEP_COLUMNS_ON,
                                                   METRICS, PER_SOURCE)
-from megatron_bubblespec.speculative.pool import Continuation
 from megatron_bubblespec.speculative.sources import SOURCES
 
 Record = Mapping[str, object]
 
 # (record key, result key, label, formatter) of the continuation's counts, for every proposal
-# source and for the forks a rollout's own draft goes on as:
-# spec/continuation_proposed_tokens/<source> -> continuation_proposed_tokens_<source>.
+# source: spec/continuation_proposed_tokens/<source> -> continuation_proposed_tokens_<source>.
 SOURCE_COUNTS = tuple(
     (key, key.removeprefix("spec/").replace("/", "_"), label, family.fmt)
-    for source in (*SOURCES, Continuation.FORK) for family in PER_SOURCE
+    for source in SOURCES for family in PER_SOURCE
     for key, label in [family.for_source(source)])
 
 
@@ -62,8 +60,6 @@ SUMMARY_ROWS = (
     ("decode steps on / off ceiling, drafts covering all", "decode_steps_ratio_ceiling_full_coverage",
      number),
     ("accepted tokens", "accepted_tokens", count),
-    ("forks drafted (bubbles, spec.forks)", "forks", count),
-    ("fork tokens drafted", "fork_tokens", count),
     ("continuation proposed tokens", "continuation_proposed_tokens", count),
     ("continuation accepted tokens", "continuation_accepted_tokens", count),
     ("continuation accept rate (accepted / proposed)", "continuation_accept_rate", percent),

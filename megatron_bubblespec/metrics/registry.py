@@ -102,8 +102,6 @@ _METRICS = [
     Metric("bubble/new_tokens", SUM, count, "new draft tokens"),
     Metric("bubble/refreshed_drafts", SUM, count, "complete drafts drafted again by newer weights"),
     Metric("bubble/prefill_tokens", SUM, count, "tokens prefilled for drafting"),
-    Metric("bubble/forks", SUM, count, "forks drafted at near ties of finished drafts"),
-    Metric("bubble/fork_tokens", SUM, count, "the forks' tokens"),
     Metric("spec/drafted_samples", SUM, count, "samples with a draft"),
     Metric("spec/drafted_tokens", SUM, count, "drafted tokens", "drafts\ntok",
            over_run=total_of),

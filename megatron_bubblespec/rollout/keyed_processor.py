@@ -9,9 +9,7 @@ processor has no request ids: it follows rows through the batch update's removed
 lists, and a row's response is its prompt's last ``offset`` tokens followed by vLLM's live list of
 its output token ids (never count ``apply`` calls, chunked prefill calls it on rows whose sample
 is dropped). A spec-decode step's draft rows and bonus row are keyed after the proposed tokens
-before them (``vllm_patches`` hands over the step's proposals). A request whose extra args name
-a ``record`` id also has each draw's runner-up and margin kept (response position -> (token,
-margin)) until the engine pops them (``pop_records``): a bubble forks its drafts at near ties.
+before them (``vllm_patches`` hands over the step's proposals).
 
 Importing this module imports vLLM (the processor derives from vLLM's base class): import it only
 after ``vllm_engine.prepare_environment``, as ``VLLMEngine`` does when it starts.
@@ -35,17 +33,13 @@ EXTRA_ARGS_KEY = "bubblespec_keyed"
 REQUIRED = ("key", "offset", "temperature", "top_k", "top_p", "keying")
 
 
-def keyed_extra_args(params: SamplingParams, key: int, offset: int,
-                     record: str | None = None) -> dict[str, Any]:
+def keyed_extra_args(params: SamplingParams, key: int, offset: int) -> dict[str, Any]:
     """What a request carries in ``extra_args[EXTRA_ARGS_KEY]``: its sample key, the position of
-    its first generated token in the response (the prefix length, the prompt's last tokens), the
-    sampling parameters and, to keep its draws' runner-ups, the id they are kept under."""
-    args = {"key": int(key), "offset": int(offset), "temperature": float(params.temperature),
+    its first generated token in the response (the prefix length, the prompt's last tokens) and
+    the sampling parameters."""
+    return {"key": int(key), "offset": int(offset), "temperature": float(params.temperature),
             "top_k": int(params.top_k), "top_p": float(params.top_p),
             "keying": params.keying.name}
-    if record is not None:
-        args["record"] = str(record)
-    return args
 
 
 @dataclass
@@ -55,7 +49,6 @@ class _Row:
     params: SamplingParams
     output_token_ids: list[int]   # vLLM's live list of this request's output tokens
     words: ResponseWords          # the draw words after prefix + the outputs it has seen
-    record: dict[int, tuple[int, float]] | None = None   # position -> (runner-up, margin)
 
     def ahead(self, proposed: list[int]) -> list[int]:
         """The words of the next draw and of the draws after each of ``proposed``'s prefixes."""
@@ -89,12 +82,6 @@ class KeyedLogitsProcessor(LogitsProcessor):
         # This spec step's proposed tokens per batch row while the rejection sampler runs (its
         # draft rows and bonus rows; set by ``vllm_patches``), else None.
         self.proposed: list[list[int]] | None = None
-        self.records: dict[str, dict[int, tuple[int, float]]] = {}   # record id -> its draws'
-
-    def pop_records(self, record_ids) -> dict[str, dict[int, tuple[int, float]]]:
-        """The runner-ups kept under these ids (response position -> (token, margin)),
-        forgotten here."""
-        return {i: self.records.pop(i) for i in record_ids if i in self.records}
 
     def is_argmax_invariant(self) -> bool:
         return False  # True would skip it for greedy requests, and every request here is greedy
@@ -115,11 +102,8 @@ class KeyedLogitsProcessor(LogitsProcessor):
                                  "tokens before them: a keyed request needs prompt token ids")
             prompt = list(prompt) if prompt is not None else [0] * offset
             split = len(prompt) - offset
-            record = (self.records.setdefault(keyed["record"], {}) if "record" in keyed
-                      else None)
             self.rows[index] = _Row(keyed["key"], offset, sampling, output_token_ids,
-                                    sampling.keying.tracker(prompt[:split], prompt[split:]),
-                                    record)
+                                    sampling.keying.tracker(prompt[:split], prompt[split:]))
         for src, dst, direction in batch_update.moved:
             row_src, row_dst = self.rows.pop(src, None), self.rows.pop(dst, None)
             if row_src is not None:
@@ -137,8 +121,7 @@ class KeyedLogitsProcessor(LogitsProcessor):
                 raise RuntimeError(f"keyed row {index} outside the logits batch "
                                    f"{tuple(logits.shape)}: batch tracking is broken")
             tokens = proposed[index] if proposed else []
-            targets.append((index, row, row.ahead(tokens)[len(tokens)],
-                            row.words.length + len(tokens)))
+            targets.append((index, row, row.ahead(tokens)[len(tokens)]))
         return self._force(logits, targets)
 
     def force_draft_rows(self, logits: torch.Tensor):
@@ -156,16 +139,15 @@ class KeyedLogitsProcessor(LogitsProcessor):
                                    "no key")
             if tokens:
                 words = row.ahead(tokens)
-                targets.extend((start + j, row, words[j], row.words.length + j)
-                               for j in range(len(tokens)))
+                targets.extend((start + j, row, words[j]) for j in range(len(tokens)))
             start += len(tokens)
         if start != logits.shape[0]:
             raise RuntimeError(f"{start} draft rows expected, logits have {logits.shape[0]}")
         return self._force(logits, targets)
 
     def _force(self, logits: torch.Tensor, targets) -> torch.Tensor:
-        """Set each target row (logits row, request row, draw word, response position) to a
-        one-hot of its keyed draw, keeping the runner-ups of the rows that record them."""
+        """Set each target row (logits row, request row, draw word) to a one-hot of its keyed
+        draw."""
         groups: dict[SamplingParams, list] = {}
         for target in targets:
             groups.setdefault(target[1].params, []).append(target)
@@ -175,26 +157,14 @@ class KeyedLogitsProcessor(LogitsProcessor):
                                 device=logits.device)
             positions = torch.tensor([t[2] for t in group], dtype=torch.int64,
                                      device=logits.device)
-            recording = any(t[1].record is not None for t in group)
-            whole = rows == list(range(logits.shape[0]))   # every row, in order: no copies
-            index_t = None if whole else torch.tensor(rows, device=logits.device)
-            drawn = keyed_sample_sparse(logits if whole else logits.index_select(0, index_t),
-                                        keys, positions, params, vocab_size=self.vocab_size,
-                                        runners_up=recording)
-            tokens = drawn[0] if recording else drawn
-            if recording:
-                _keep_runners_up(group, drawn[1].tolist(), drawn[2].tolist())
-            if whole:
+            if rows == list(range(logits.shape[0])):   # every row, in order: no copies
+                tokens = keyed_sample_sparse(logits, keys, positions, params,
+                                             vocab_size=self.vocab_size)
                 logits.fill_(float("-inf")).scatter_(1, tokens.unsqueeze(1), 0.0)
                 continue
+            index_t = torch.tensor(rows, device=logits.device)
+            tokens = keyed_sample_sparse(logits.index_select(0, index_t), keys, positions,
+                                         params, vocab_size=self.vocab_size)
             logits.index_fill_(0, index_t, float("-inf"))
             logits[index_t, tokens] = 0.0
         return logits
-
-
-def _keep_runners_up(group, tokens: list[int], margins: list[float]) -> None:
-    """Each recording row's draw: its runner-up and margin at its response position (a draft
-    row past a rejection is drawn again later, at the same position, and overwritten)."""
-    for (_, row, _, position), token, margin in zip(group, tokens, margins):
-        if row.record is not None:
-            row.record[position] = (token, margin)

@@ -177,15 +177,6 @@ def _reload_weights_on_worker(worker, weights) -> None:
     worker.reload_weights(weights_iterator=iter(pairs))
 
 
-def _pop_runners_up(worker, record_ids: list[str]) -> dict[str, dict[int, tuple[int, float]]]:
-    """Runs on each vLLM worker: the keyed processor's runner-ups kept for these requests."""
-    processors = worker.model_runner.input_batch.logitsprocs.non_argmax_invariant
-    for processor in processors:
-        if hasattr(processor, "pop_records"):
-            return processor.pop_records(record_ids)
-    return {}
-
-
 def _pop_continuation_counts(worker,
                              vllm_ids: list[str]) -> dict[str, dict[str, tuple[int, int]]]:
     """Runs on each vLLM worker: the proposer's totals for these requests (see ``PoolProposer``)."""
@@ -313,9 +304,8 @@ class VLLMEngine(RolloutEngine):
         proposer."""
         from megatron_bubblespec.rollout.keyed_processor import EXTRA_ARGS_KEY, keyed_extra_args
 
-        extra_args = {EXTRA_ARGS_KEY: keyed_extra_args(
-            params, request.key, len(request.response_prefix),
-            record=request.request_id if request.runners_up else None)}
+        extra_args = {EXTRA_ARGS_KEY: keyed_extra_args(params, request.key,
+                                                       len(request.response_prefix))}
         proposals, c = request.proposals, self.continuation
         pooled = c.enabled and has_sources(c.sources, proposals.drafts, proposals.history)
         if not prefix_complete and (pooled or request.draft):
@@ -323,8 +313,7 @@ class VLLMEngine(RolloutEngine):
                 len(request.prompt_token_ids), c if c.enabled else replace(c, sources=()),
                 proposals.drafts if pooled else [], draft=request.draft,
                 draft_k=VLLM_MAX_SPEC_TOKENS, history=proposals.history if pooled else [],
-                own_draft=proposals.own if pooled else None,
-                forks=request.forks if request.draft else None)
+                own_draft=proposals.own if pooled else None)
         return extra_args
 
     def add(self, requests: Iterable[RolloutRequest], params: SamplingParams) -> None:
@@ -387,7 +376,6 @@ class VLLMEngine(RolloutEngine):
                 del self._live[output.request_id]
                 ended.append((live, output.outputs[0].finish_reason))
         self._collect_continuation([live for live, _ in ended])
-        self._collect_runners_up([live for live, _ in ended])
         return [live.result(reason) for live, reason in ended]
 
     def abort(self, request_ids: Iterable[str] | None = None) -> list[RolloutResult]:
@@ -398,7 +386,6 @@ class VLLMEngine(RolloutEngine):
         self._engine.abort_request([self._live[i].vllm_id for i in ids], internal=True)
         ended = [self._live.pop(i) for i in ids]
         self._collect_continuation(ended)
-        self._collect_runners_up(ended)
         return [live.result("abort") for live in ended]
 
     def _collect_continuation(self, ended: list[LiveRequest]) -> None:
@@ -409,15 +396,6 @@ class VLLMEngine(RolloutEngine):
         counts = self.llm.collective_rpc(_pop_continuation_counts, args=(list(pooled),))[0]
         for vllm_id, live in pooled.items():
             live.continuation = dict(counts.get(vllm_id, {}))
-
-    def _collect_runners_up(self, ended: list[LiveRequest]) -> None:
-        """Fetch the keyed processor's runner-ups of recording requests that just ended."""
-        recording = {live.request.request_id: live for live in ended if live.request.runners_up}
-        if not recording or not self.keyed:
-            return
-        records = self.llm.collective_rpc(_pop_runners_up, args=(list(recording),))[0]
-        for request_id, live in recording.items():
-            live.runners_up = dict(records.get(request_id, {}))
 
     def shutdown(self) -> None:
         """Stop the engine core now (idempotent). vLLM's teardown also destroys the default

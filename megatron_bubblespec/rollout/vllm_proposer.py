@@ -32,22 +32,20 @@ POOL_ARGS_KEY = "bubblespec_pool"
 
 def pool_extra_args(prompt_len: int, settings: ContinuationSettings, drafts: list[list[int]],
                     draft: list[int] = (), draft_k: int | None = None,
-                    history: list[list[int]] = (), own_draft: int | None = None,
-                    forks: dict[int, list[int]] | None = None) -> dict:
+                    history: list[list[int]] = (), own_draft: int | None = None) -> dict:
     """What a request carries in ``SamplingParams.extra_args[POOL_ARGS_KEY]`` (``prompt_len``:
     the prompt's length without the response prefix that vLLM receives as part of it;
     ``settings``: the engine's, whose sources, match lengths, k and token cost it proposes by;
     ``draft``: the sample's own draft to verify, in response positions, ``draft_k`` of its tokens a
     step; ``history``: the prompt's earlier responses; ``own_draft``: the place of the sample's
-    own draft in ``drafts``; ``forks``: the own draft's forks, place -> tokens)."""
+    own draft in ``drafts``)."""
     return {"prompt_len": int(prompt_len), "drafts": [list(d) for d in drafts],
             "k": int(settings.k), "suffix_k": int(settings.suffix_k),
             "min_match": int(settings.min_match),
             "max_match": int(settings.max_match), "sources": list(settings.sources),
             "draft": [int(t) for t in draft], "draft_k": draft_k,
             "token_cost": settings.token_cost, "history": [list(h) for h in history],
-            "own_draft": own_draft,
-            "forks": [[int(p), [int(t) for t in f]] for p, f in sorted((forks or {}).items())]}
+            "own_draft": own_draft}
 
 
 @dataclass
@@ -112,9 +110,8 @@ class PoolProposer:
         if not pool and not draft:
             siblings.leave(request_id)
             return None
-        forks = {p: f for p, f in pool_args.get("forks") or ()}
         state = _Request(Continuation(pool, pool_args["k"], draft, pool_args.get("draft_k"),
-                                      token_cost=pool_args.get("token_cost"), forks=forks),
+                                      token_cost=pool_args.get("token_cost")),
                          frozenset(params.stop_token_ids or ()), len(prompt), siblings)
         self.requests[request_id] = state
         return state

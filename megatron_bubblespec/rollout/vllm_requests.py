@@ -30,7 +30,6 @@ class LiveRequest:
     emitting_steps: int = 0
     pooled: bool = False                  # proposes from a draft pool (speculative continuation)
     continuation: dict = field(default_factory=dict)   # source -> (proposed, accepted), at its end
-    runners_up: dict = field(default_factory=dict)     # position -> (token, margin), at its end
 
     def absorb(self, output) -> None:
         """Take the new tokens / logprobs of one (cumulative) RequestOutput."""
@@ -71,5 +70,4 @@ class LiveRequest:
         return RolloutResult(request.request_id, prefix + generated,
                              list(prefix_logprobs) + generated_logprobs, decode_steps, reason,
                              sum(p for p, _ in self.continuation.values()),
-                             sum(a for _, a in self.continuation.values()), self.continuation,
-                             self.runners_up)
+                             sum(a for _, a in self.continuation.values()), self.continuation)

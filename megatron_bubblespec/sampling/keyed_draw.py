@@ -47,7 +47,6 @@ _SHIFT = 32 - TABLE_BITS
 _PAD = 64            # element multiple of the gathered tensors (whole vector iterations)
 _MARGIN = 1e-3       # the bounds are widened by this much: a superset of candidates is harmless
 BACKENDS = ("auto", "c++", "torch")
-MARGIN_CAP = 2.0     # runner-ups are found exactly within this margin of the winner (forks)
 
 
 def _gumbel(u: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -160,20 +159,14 @@ def _use_kernel(backend: str, allowed: torch.Tensor) -> bool:
 
 
 def keyed_sample_sparse(logits: torch.Tensor, keys, positions, params: SamplingParams, *,
-                        vocab_size: int | None = None, backend: str = "auto",
-                        runners_up: bool = False):
+                        vocab_size: int | None = None, backend: str = "auto") -> torch.Tensor:
     """``keyed_sample(logits, keys, positions, params, vocab_size=...)`` (one process, whole
     vocabulary per row), computed on few tokens per row; the same tokens.
 
     ``backend``: ``auto`` (the C++ scan on CPU tensors when it is built, else torch), ``c++`` or
-    ``torch``. ``runners_up``: also return each row's runner-up and its margin (``runner_up``).
-    """
+    ``torch``."""
     if params.greedy or logits.dim() != 2:
-        tokens = keyed_sample(logits, keys, positions, params, vocab_size=vocab_size)
-        if not runners_up:
-            return tokens
-        none = torch.full_like(tokens, -1)
-        return tokens, none, torch.full(tokens.shape, float("inf"), dtype=torch.float64)
+        return keyed_sample(logits, keys, positions, params, vocab_size=vocab_size)
     n, width = logits.shape
     device = logits.device
     allowed = _scaled(logits, params, vocab_size)
@@ -195,36 +188,4 @@ def keyed_sample_sparse(logits: torch.Tensor, keys, positions, params: SamplingP
         where = torch.nonzero(nan_rows).squeeze(-1)
         winner[where] = keyed_sample(logits[where], keys[where], positions[where], params,
                                      vocab_size=vocab_size)
-    if not runners_up:
-        return winner
-    second, margin = runner_up(allowed, keys, positions, best, winner, g_max)
-    margin[nan_rows] = float("inf")
-    second[nan_rows] = -1
-    return winner, second, margin
-
-
-def runner_up(allowed: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,
-              best: torch.Tensor, winner: torch.Tensor, g_max: float,
-              cap: float = MARGIN_CAP) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's runner-up (the token with the second best perturbed score, the lowest id among
-    equal scores) and its margin to the winner's score, exact where the margin is under ``cap``;
-    elsewhere -1 and inf. A token can score within ``cap`` of the winner only if its scaled logit
-    is within ``cap + G_MAX``, so only those are hashed (forks at near ties want small margins).
-    """
-    n, width = allowed.shape
-    floor = best - cap
-    rows, ids = torch.nonzero((allowed + g_max >= floor.unsqueeze(-1))
-                              & (torch.arange(width, device=allowed.device) != winner.unsqueeze(-1)),
-                              as_tuple=True)
-    r1, r2 = row_words(keys, positions)
-    scores = allowed[rows, ids] + _gumbel(uniform_from_bits(token_bits(r1[rows], r2[rows], ids)),
-                                          allowed.dtype)
-    second = torch.full((n,), float("-inf"), dtype=allowed.dtype, device=allowed.device)
-    second.scatter_reduce_(0, rows, scores, reduce="amax")
-    at = scores == second[rows]
-    token = torch.full((n,), width, dtype=torch.int64, device=allowed.device)
-    token.scatter_reduce_(0, rows[at], ids[at], reduce="amin")
-    near = (second >= floor) & torch.isfinite(second)
-    margin = torch.where(near, (best - second).double(),
-                         torch.full((n,), float("inf"), dtype=torch.float64, device=best.device))
-    return torch.where(near, token, torch.full_like(token, -1)), margin
+    return winner

@@ -50,16 +50,10 @@ class RolloutRequest:
     eos_token_ids: tuple[int, ...] = ()
     proposals: Proposals = field(default_factory=Proposals)
     draft: list[int] = field(default_factory=list)  # its own draft, verified inside the engine's forward
-    # the draft's forks: place -> the draft's text from there had its drawing taken the
-    # runner-up (speculative.drafts.Fork); the engine goes on proposing one the response takes
-    forks: dict[int, list[int]] = field(default_factory=dict)
     # a bubble's drafting request: a draft is its tokens only, so no logprobs are wanted (an
     # engine may return NaN), and it may reuse KV its prompt and prefix got under earlier weights
     # (a draft is only a proposal); a rollout request never does either
     drafting: bool = False
-    # keep each draw's runner-up and margin (an engine that can: vLLM's keyed processor): a
-    # bubble forks its drafts where the draw was a near tie
-    runners_up: bool = False
 
     def __post_init__(self):
         if not self.prompt_token_ids:
@@ -79,9 +73,6 @@ class RolloutResult:
     proposed_tokens: int = 0       # speculative continuation: tokens proposed (all sources)
     accepted_tokens: int = 0       # ... and accepted by the keyed rule
     by_source: dict[str, tuple[int, int]] = field(default_factory=dict)  # source -> (proposed, accepted)
-    # with RolloutRequest.runners_up: response position -> (runner-up token, margin), for the
-    # draws whose runner-up scored within the sampler's MARGIN_CAP of the token drawn
-    runners_up: dict[int, tuple[int, float]] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:

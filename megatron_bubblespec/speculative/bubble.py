@@ -16,28 +16,18 @@ sample is claimed twice. When the last engine arrives it stamps the closing time
 engine can measure its overshoot (time spent drafting after the barrier had in fact closed, at
 most one engine step). An engine that never arrives makes the others fail after ``timeout_s`` with
 a message naming the step and how many engines had arrived, never a silent hang.
-
-Forks (``spec.forks`` > 0): drafting requests keep each draw's runner-up and margin; for each
-draft the engine finished in this bubble it drafts the runner-up's text at the draft's ``forks``
-smallest-margin draws (``fork_places``), ``fork_tokens`` tokens each, as a request whose response
-prefix is the draft up to that place and the runner-up. The forks of the nearest step's drafts
-(verified next, by the policy one update on) take the free slots before anything else the cursor
-holds, longest draft first (the likeliest straggler); the others wait until the cursor has
-nothing left. A response of the next policy leaves its
-draft at a near tie most often, and then mostly for the runner-up (docs/results/fork-study.md).
-The forks ride with their draft (``Draft.forks``).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from megatron_bubblespec.sampling import SamplingParams
 from megatron_bubblespec.sampling.requests import RolloutRequest, RolloutResult
 from megatron_bubblespec.speculative.claims import ClaimPolicy
-from megatron_bubblespec.speculative.drafts import Draft, Fork
+from megatron_bubblespec.speculative.drafts import Draft
 from megatron_bubblespec.speculative.queue import SampleId
 
 if TYPE_CHECKING:   # an annotation only: speculative sits below rollout
@@ -55,8 +45,6 @@ class BubbleStats:
     engine_steps: int = 0
     new_tokens: int = 0          # tokens this bubble added to the drafts (beyond their prefixes)
     refreshed: int = 0           # complete drafts of older weights drafted again
-    forks: int = 0               # forks drafted (with at least one token after the runner-up)
-    fork_tokens: int = 0         # their tokens, runner-ups included
     prefill_tokens: int = 0      # prompt + earlier-draft tokens the claimed requests prefilled
     last_to_arrive: bool = False
 
@@ -66,10 +54,9 @@ class BubbleDrafter:
 
     def __init__(self, store, num_engines: int, engine: RolloutEngine, params: SamplingParams,
                  claims: ClaimPolicy, *, timeout_s: float = 600.0, poll_s: float = 0.002,
-                 namespace: str = "bubblespec", forks: int = 0, fork_tokens: int = 256):
+                 namespace: str = "bubblespec"):
         self.store, self.num_engines, self.engine, self.params = store, num_engines, engine, params
         self.claims = claims
-        self.forks, self.fork_tokens = forks, fork_tokens
         self.timeout_s, self.poll_s, self.namespace = timeout_s, poll_s, namespace
         # prompt + draft tokens this engine ran, per sample
         self.computed: dict[SampleId, int] = {}
@@ -99,14 +86,10 @@ class BubbleDrafter:
                          next_request)
         # request id -> (sample, key, prefix length, prompt length, the draft it refreshes)
         pending: dict[str, tuple[SampleId, int, int, int, tuple[int, ...]]] = {}
-        forking = _Forking(self.forks, self.fork_tokens, min((s[0] for s in samples),
-                                                             default=None))
         self.computed = {s: n for s, n in self.computed.items() if s[0] > step}
         while self.store.add(arrive, 0) < self.num_engines:
             self._check_timeout(step, arrive, arrived_at)
-            if forking.urgent or (cursor.exhausted and forking.waiting):
-                self._claim_forks(forking, len(pending), all_waiting=cursor.exhausted)
-            self._claim(cursor, pending, stats, forking)
+            self._claim(cursor, pending, stats)
             if not self.engine.has_unfinished():
                 time.sleep(self.poll_s)  # nothing left to draft: plain waiting
                 continue
@@ -114,14 +97,13 @@ class BubbleDrafter:
             finished = self.engine.step()
             stats.drafting_s += time.perf_counter() - began
             stats.engine_steps += 1
-            drafts += self._collect(finished, pending, weight_version, stats, forking)
+            drafts += self._collect(finished, pending, weight_version, stats)
         closed_seen = time.time()
         stats.idle_s = time.perf_counter() - arrived_at
         if self.engine.has_unfinished():
-            drafts += self._collect(self.engine.abort(), pending, weight_version, stats, forking)
+            drafts += self._collect(self.engine.abort(), pending, weight_version, stats)
         closed_at = float(self.store.get(closed).decode())
         stats.overshoot_s = max(0.0, closed_seen - closed_at) if stats.engine_steps else 0.0
-        drafts = forking.attach(drafts, stats)
         stats.drafted_samples = sum(1 for d in drafts if d.tokens)
         stats.drafted_tokens = sum(len(d.tokens) for d in drafts)
         return [d for d in drafts if d.tokens], stats
@@ -133,8 +115,7 @@ class BubbleDrafter:
                 f"engines reached the barrier within {self.timeout_s:.0f} s; a rank died or hangs "
                 "(see its log); raise spec.barrier_timeout_s if steps are legitimately slower")
 
-    def _claim(self, cursor: _Cursor, pending: dict, stats: BubbleStats,
-               forking: _Forking) -> None:
+    def _claim(self, cursor: _Cursor, pending: dict, stats: BubbleStats) -> None:
         """This engine step's claims (``ClaimPolicy``) -> requests added to the engine."""
         def prefill(chunk) -> int:   # a refresh runs its old draft through a forward too
             tokens = [len(r.prompt_token_ids) + len(r.response_prefix) + len(r.draft)
@@ -148,34 +129,18 @@ class BubbleDrafter:
             pending.update({r.request_id: (sample, r.key, len(r.response_prefix),
                                            len(r.prompt_token_ids), tuple(r.draft))
                             for sample, r in chunk})
-            for _, r in chunk:
-                forking.watch(r)
             self.engine.add([r for _, r in chunk], self.params)
-
-    def _claim_forks(self, forking: _Forking, in_flight: int, all_waiting: bool) -> None:
-        """The next forks (the nearest step's only, unless ``all_waiting``), as many as the
-        drafting batch has room for."""
-        requests = forking.take(self.claims.in_flight - in_flight - len(forking.running),
-                                urgent_only=not all_waiting)
-        if requests:
-            self.engine.add(requests, self.params)
 
     def _collect(self, results: list[RolloutResult],
                  pending: dict[str, tuple[SampleId, int, int, int, tuple[int, ...]]],
-                 weight_version: int, stats: BubbleStats,
-                 forking: _Forking | None = None) -> list[Draft]:
-        forking = forking or _Forking(0, 0)
+                 weight_version: int, stats: BubbleStats) -> list[Draft]:
         out = []
         for r in results:
-            if forking.collect(r):
-                continue
             claimed = pending.pop(r.request_id, None)
             if claimed is None:
                 continue
             (step, index), key, prefix, prompt, old = claimed
             tokens = tuple(r.token_ids)
-            if r.finished:
-                forking.offer((step, index), r)
             self.computed[(step, index)] = prompt + len(tokens)
             if old:
                 prefix = common_prefix(tokens, old)
@@ -186,102 +151,6 @@ class BubbleDrafter:
                 stats.refreshed += 1
             stats.new_tokens += max(len(tokens) - prefix, 0)
             out.append(Draft(step, index, key, weight_version, tokens))
-        return out
-
-
-def fork_places(tokens: Sequence[int], runners_up: dict[int, tuple[int, float]], count: int,
-                eos_token_ids: Sequence[int] = ()) -> list[tuple[int, int]]:
-    """The ``count`` draws of ``tokens`` nearest a tie (smallest margin, earlier first among
-    equal ones) whose runner-up is known and not an end of text: (place, runner-up), in place
-    order."""
-    near = sorted((margin, place, token) for place, (token, margin) in runners_up.items()
-                  if 0 <= place < len(tokens) and token >= 0 and token != tokens[place]
-                  and token not in eos_token_ids and margin != float("inf"))
-    return sorted((place, token) for _, place, token in near[:count])
-
-
-class _Forking:
-    """One bubble's forks: the finished drafts offered, the fork requests running, the forks
-    made (see the module doc)."""
-
-    def __init__(self, per_draft: int, max_tokens: int, nearest_step: int | None = None):
-        self.per_draft, self.max_tokens, self.nearest_step = per_draft, max_tokens, nearest_step
-        self.drafting: dict[str, RolloutRequest] = {}     # request id -> a drafting request
-        # (later than the nearest step, -draft length, place, sample, draft, fork request)
-        self.offered: list[tuple[bool, int, int, SampleId, tuple[int, ...], RolloutRequest]] = []
-        self.running: dict[str, tuple[SampleId, tuple[int, ...], int]] = {}
-        self.made: dict[SampleId, tuple[tuple[int, ...], list[Fork]]] = {}
-
-    @property
-    def waiting(self) -> bool:
-        return bool(self.offered)
-
-    @property
-    def urgent(self) -> bool:
-        """Whether a fork of the nearest step's drafts waits."""
-        return bool(self.offered) and not self.offered[0][0]
-
-    def watch(self, request: RolloutRequest) -> None:
-        """A drafting request claimed: with forks on it keeps its draws' runner-ups."""
-        if self.per_draft > 0:
-            request.runners_up = True
-            self.drafting[request.request_id] = request
-
-    def offer(self, sample: SampleId, result: RolloutResult) -> None:
-        """A finished draft: the requests of its forks wait, the nearest step's first, then
-        longest draft first."""
-        request = self.drafting.pop(result.request_id, None)
-        if request is None:
-            return
-        tokens = tuple(result.token_ids)
-        for place, runner_up in fork_places(tokens, result.runners_up, self.per_draft,
-                                            request.eos_token_ids):
-            budget = min(request.max_new_tokens, place + 1 + self.max_tokens)
-            if place + 1 >= budget:
-                continue
-            fork = RolloutRequest(f"fork-{result.request_id}-{place}",
-                                  list(request.prompt_token_ids), request.key, budget,
-                                  response_prefix=list(tokens[:place]) + [runner_up],
-                                  eos_token_ids=request.eos_token_ids, drafting=True)
-            self.offered.append((sample[0] != self.nearest_step, -len(tokens), place, sample,
-                                 tokens, fork))
-        self.offered.sort(key=lambda o: o[:3])
-
-    def take(self, room: int, urgent_only: bool = False) -> list[RolloutRequest]:
-        """Up to ``room`` waiting fork requests (of the nearest step's drafts only, with
-        ``urgent_only``), now running."""
-        n = max(room, 0)
-        if urgent_only:
-            n = min(n, sum(1 for o in self.offered if not o[0]))
-        taken, self.offered = self.offered[:n], self.offered[n:]
-        for *_, place, sample, tokens, request in taken:
-            self.running[request.request_id] = (sample, tokens, place)
-        return [request for *_, request in taken]
-
-    def collect(self, result: RolloutResult) -> bool:
-        """Whether ``result`` is a fork's (finished or cut at the barrier); keeps its text."""
-        running = self.running.pop(result.request_id, None)
-        if running is None:
-            return False
-        sample, tokens, place = running
-        text = tuple(result.token_ids[place:])
-        if len(text) > 1:   # more than the runner-up
-            made = self.made.setdefault(sample, (tokens, []))
-            if made[0] == tokens:
-                made[1].append(Fork(place, text))
-        return True
-
-    def attach(self, drafts: list[Draft], stats: BubbleStats) -> list[Draft]:
-        """The drafts with the forks made of them."""
-        out = []
-        for d in drafts:
-            made = self.made.get((d.step, d.sample_index))
-            if made is not None and made[0] == d.tokens:
-                forks = tuple(sorted(made[1], key=lambda f: f.place))
-                stats.forks += len(forks)
-                stats.fork_tokens += sum(len(f.tokens) for f in forks)
-                d = replace(d, forks=forks)
-            out.append(d)
         return out
 
 

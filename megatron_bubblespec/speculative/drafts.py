@@ -1,12 +1,10 @@
 """Drafts: coming steps' samples pre-generated in a bubble -> packed int64 tensors -> all-gathered over DP.
 
 A draft names the sample it was made for (its step, global sample index within that step and key),
-the weight version that made it, its tokens and its forks: at a few places where the drafting draw
-was a near tie, the text that follows the runner-up (``Fork``). Packing is a flat int64 tensor
-``[count, (step, index, key, version, length, forks, tokens..., (place, length, tokens...) *
-forks) * count]``; unpacking validates every field and drops (with a warning) whatever does not
-parse, so a corrupted draft can cost acceptance but never crash a step or change a token (drafts
-and forks are only ever proposals to the exact verifier).
+the weight version that made it, and its tokens. Packing is a flat int64 tensor
+``[count, (step, index, key, version, length, tokens...) * count]``; unpacking validates every field and
+drops (with a warning) whatever does not parse, so a corrupted draft can cost acceptance but never
+crash a step or change a token (drafts are only ever proposals to the exact verifier).
 
 Transport (``exchange_route``): drafts are made and consumed on the CPU, so the all-gather runs on
 CPU tensors whenever the group's backend takes them (gloo, or a ``cpu:gloo,cuda:nccl`` group). NCCL
@@ -31,16 +29,7 @@ import torch.distributed as dist
 
 from megatron_bubblespec.speculative.validate import verifiable_draft
 
-HEADER = 6
-
-
-@dataclass(frozen=True)
-class Fork:
-    """The draft's text had the runner-up been drawn at ``place``: ``tokens`` from that place on
-    (the runner-up first), in response positions; the draft's tokens before ``place`` precede
-    it."""
-    place: int
-    tokens: tuple[int, ...]
+HEADER = 5
 
 
 @dataclass(frozen=True)
@@ -50,23 +39,12 @@ class Draft:
     key: int                # that sample's key (sampling.sample_key with that step)
     weight_version: int     # version of the policy that drafted it
     tokens: tuple[int, ...]
-    forks: tuple[Fork, ...] = ()
-
-    def forks_kept_by(self, tokens: tuple[int, ...]) -> tuple[Fork, ...]:
-        """Its forks that still fork ``tokens`` (a later draft of the sample): those whose place
-        ``tokens`` reaches with this draft's text before it and another token at it."""
-        return tuple(f for f in self.forks if len(tokens) > f.place
-                     and tokens[:f.place] == self.tokens[:f.place]
-                     and tokens[f.place] != f.tokens[0])
 
 
 def pack(drafts: list[Draft]) -> torch.Tensor:
     flat = [len(drafts)]
     for d in drafts:
-        flat += [d.step, d.sample_index, d.key, d.weight_version, len(d.tokens), len(d.forks),
-                 *d.tokens]
-        for f in d.forks:
-            flat += [f.place, len(f.tokens), *f.tokens]
+        flat += [d.step, d.sample_index, d.key, d.weight_version, len(d.tokens), *d.tokens]
     return torch.tensor(flat, dtype=torch.int64)
 
 
@@ -83,24 +61,14 @@ def unpack(packed: torch.Tensor, source: str = "packed drafts") -> list[Draft]:
         if pos + HEADER > len(values):
             warnings.warn(f"{source}: truncated at draft {n} of {count}; the rest is dropped")
             break
-        step, index, key, version, length, forks = values[pos:pos + HEADER]
-        if (length < 0 or forks < 0 or pos + HEADER + length > len(values) or index < 0
-                or step < 0):
+        step, index, key, version, length = values[pos:pos + HEADER]
+        if length < 0 or pos + HEADER + length > len(values) or index < 0 or step < 0:
             warnings.warn(f"{source}: draft {n} has a bad header (step {step}, index {index}, "
-                          f"length {length}, forks {forks}); it and the rest are dropped")
+                          f"length {length}); it and the rest are dropped")
             break
-        tokens = tuple(values[pos + HEADER:pos + HEADER + length])
+        out.append(Draft(step, index, key, version,
+                         tuple(values[pos + HEADER:pos + HEADER + length])))
         pos += HEADER + length
-        kept = []
-        for f in range(forks):
-            place, size = values[pos:pos + 2] if pos + 2 <= len(values) else (-1, -1)
-            if place < 0 or size < 1 or pos + 2 + size > len(values):
-                warnings.warn(f"{source}: fork {f} of draft {n} has a bad header (place {place}, "
-                              f"length {size}); it and the rest are dropped")
-                return out
-            kept.append(Fork(place, tuple(values[pos + 2:pos + 2 + size])))
-            pos += 2 + size
-        out.append(Draft(step, index, key, version, tokens, tuple(kept)))
     return out
 
 
@@ -195,22 +163,5 @@ def select_drafts(drafts: list[Draft], expected_keys: dict[tuple[int, int], int]
         tokens = verifiable_draft(d.tokens, vocab_size, max_tokens, name)
         if tokens is None:
             continue
-        kept[sample] = Draft(d.step, d.sample_index, d.key, d.weight_version, tuple(tokens),
-                             _verifiable_forks(d, tuple(tokens), vocab_size, max_tokens, name))
+        kept[sample] = Draft(d.step, d.sample_index, d.key, d.weight_version, tuple(tokens))
     return kept
-
-
-def _verifiable_forks(draft: Draft, tokens: tuple[int, ...], vocab_size: int, max_tokens: int,
-                      name: str) -> tuple[Fork, ...]:
-    """The draft's forks that fork its (checked) ``tokens``, each checked and cut to the budget
-    as a draft is; one fork per place."""
-    kept: dict[int, Fork] = {}
-    for f in draft.forks:
-        if f.place in kept or f.place >= len(tokens) or tokens[f.place] == f.tokens[0]:
-            warnings.warn(f"{name}: a fork at place {f.place} does not fork the draft; dropped")
-            continue
-        fork = verifiable_draft(f.tokens, vocab_size, max_tokens - f.place,
-                                f"{name}, fork at {f.place}")
-        if fork:
-            kept[f.place] = Fork(f.place, tuple(fork))
-    return tuple(kept[p] for p in sorted(kept))

@@ -35,9 +35,6 @@ class DraftingPolicy:
         self.bubble_drafts = s.enabled and a.draft_source == "bubble" and s.max_draft_tokens > 0
         self.continuation = s.enabled and a.speculative_continuation
         self.history = "history" in s.proposal_sources
-        # forks reach the rollout as its own draft's: vLLM verifying in the rollout only
-        self.forks = (s.forks if self.bubble_drafts and s.verifier == "engine"
-                      and cfg.rollout.engine == "vllm" else 0)
         # the chunk's slots at least: a claimed chunk is never short of room
         self.claims = ClaimPolicy(chunk=s.draft_chunk, in_flight=max(s.draft_in_flight,
                                                                      s.draft_chunk),

@@ -137,10 +137,7 @@ class Continuation:
     the response so far is a prefix of it, the sample proposes the draft's next ``draft_k``
     tokens (all of them by default), so the engine verifies the draft in its own forward, with the
     prompt already in its KV cache and nothing prefilled twice. The first token the response
-    disagrees with the draft ends it, unless the draft has a fork there (``forks``: place ->
-    the draft's text from that place had the drafting draw taken its runner-up) that starts with
-    the token the response took: the draft then goes on as the fork's text, proposed the same
-    way and counted as the ``fork`` source. The accepted prefix is the longest common prefix of
+    disagrees with the draft ends it for good: the accepted prefix is the longest common prefix of
     response and draft. Draft proposals are counted apart (``draft_counts``), never pause the
     pool, and are not in ``counts``.
 
@@ -168,11 +165,9 @@ class Continuation:
     DECAY = 0.8
 
     DRAFT = "draft"   # the source name of own-draft proposals
-    FORK = "fork"     # ... and of a fork's, once the response took its runner-up
 
     def __init__(self, pool: DraftPool, k: int, draft: Sequence[int] = (),
-                 draft_k: int | None = None, token_cost: float | None = None,
-                 forks: dict[int, Sequence[int]] | None = None):
+                 draft_k: int | None = None, token_cost: float | None = None):
         if k < 1:
             raise ValueError(f"need k >= 1 proposed tokens, got {k}")
         if draft_k is not None and draft_k < 1:
@@ -183,8 +178,6 @@ class Continuation:
         self._hits = self._rejections = 0.0      # decayed accepted tokens and rejections
         self.draft: list[int] | None = [int(t) for t in draft] or None   # None: ended or none
         self.draft_k = draft_k
-        self.forks = {int(p): [int(t) for t in f] for p, f in (forks or {}).items() if f}
-        self._forked = False                     # the draft goes on as one of its forks
         self._draft_checked = 0                  # response tokens compared with the draft so far
         self.counts: dict[str, list[int]] = {}   # source -> [proposed, accepted]
         self.draft_counts = [0, 0]               # own-draft tokens [proposed, accepted]
@@ -210,7 +203,7 @@ class Continuation:
         self.pool.observe(context)
         own = self._draft_proposal(context, budget)
         if own:
-            self._source = self.FORK if self._forked else self.DRAFT
+            self._source = self.DRAFT
             return own
         if self._waiting > 0:
             self._waiting -= 1
@@ -252,16 +245,10 @@ class Continuation:
             return []
         response = context[self.pool.prompt_len:]
         n = len(response)
-        position = self._draft_checked
-        while position < min(n, len(self.draft)):
+        for position in range(self._draft_checked, min(n, len(self.draft))):
             if int(response[position]) != self.draft[position]:
-                fork = self.forks.get(position)
-                if fork is None or fork[0] != int(response[position]):
-                    self.draft = None
-                    return []
-                # the response took the runner-up here: the draft's other text goes on
-                self.draft, self.forks, self._forked = self.draft[:position] + fork, {}, True
-            position += 1
+                self.draft = None
+                return []
         self._draft_checked = n
         if n >= len(self.draft):
             self.draft = None
@@ -273,11 +260,9 @@ class Continuation:
         """The verifier kept the first ``accepted`` tokens of ``proposal``."""
         if not proposal:
             return
-        if self._source in (self.DRAFT, self.FORK):
-            counts = (self.draft_counts if self._source == self.DRAFT
-                      else self.counts.setdefault(self.FORK, [0, 0]))
-            counts[0] += len(proposal)
-            counts[1] += accepted
+        if self._source == self.DRAFT:
+            self.draft_counts[0] += len(proposal)
+            self.draft_counts[1] += accepted
             return
         counts = self.counts.setdefault(self._source or "bubble", [0, 0])
         counts[0] += len(proposal)

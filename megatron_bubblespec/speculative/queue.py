@@ -24,12 +24,11 @@ steps), it is one update stale instead of several.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from itertools import zip_longest
 from typing import Iterable, Sequence
 
 from megatron_bubblespec.config.schema import DRAFT_ORDERS
-from megatron_bubblespec.speculative.drafts import Draft, Fork, select_drafts
+from megatron_bubblespec.speculative.drafts import Draft, select_drafts
 
 SampleId = tuple[int, int]   # (step, global sample index within the step)
 
@@ -97,17 +96,10 @@ class DraftQueue:
     # ------------------------------------------------------------------ in and out
     def absorb(self, drafts: Sequence[Draft], expected_keys: dict[SampleId, int]) -> int:
         """Every rank's exchanged drafts -> the queue (a newer draft of a sample replaces the
-        older one it extends, keeping the older one's forks that still fork it); malformed ones
-        are dropped with a warning. Returns how many were kept."""
+        older one it extends); malformed ones are dropped with a warning. Returns how many were
+        kept."""
         kept = select_drafts(list(drafts), expected_keys, self.vocab_size, self.budget)
         for (step, g), draft in kept.items():
-            old = self.get(step, g)
-            if old is not None and old.forks:
-                places = {f.place for f in draft.forks}
-                carried = [f for f in old.forks_kept_by(draft.tokens) if f.place not in places]
-                if carried:
-                    draft = replace(draft, forks=tuple(sorted(draft.forks + tuple(carried),
-                                                              key=lambda f: f.place)))
             self._by_step.setdefault(step, {})[g] = draft
         return len(kept)
 
@@ -120,19 +112,15 @@ class DraftQueue:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, list[list]]:
-        return {str(step): [[d.sample_index, d.key, d.weight_version, list(d.tokens),
-                             [[f.place, list(f.tokens)] for f in d.forks]]
+        return {str(step): [[d.sample_index, d.key, d.weight_version, list(d.tokens)]
                             for _, d in sorted(drafts.items())]
                 for step, drafts in sorted(self._by_step.items())}
 
     def load_state_dict(self, state: dict[str, list[list]]) -> None:
-        """A ``state_dict``, or one saved before drafts had forks (four fields a draft)."""
         self._by_step = {
-            int(step): {int(row[0]): Draft(int(step), int(row[0]), int(row[1]), int(row[2]),
-                                           tuple(int(t) for t in row[3]),
-                                           tuple(Fork(int(place), tuple(int(t) for t in tokens))
-                                                 for place, tokens in (row[4:5] or [[]])[0]))
-                        for row in rows}
+            int(step): {int(g): Draft(int(step), int(g), int(key), int(version),
+                                      tuple(int(t) for t in tokens))
+                        for g, key, version, tokens in rows}
             for step, rows in state.items()}
 
 

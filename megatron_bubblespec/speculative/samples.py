@@ -33,12 +33,9 @@ class Sample:
     draft: Draft | None = None        # its pending draft (in a step's plan)
 
     def request(self, max_new_tokens: int, tag: str) -> RolloutRequest:
-        """Its request: prompt, key and budget, with no response yet (and its draft's forks, for
-        an engine that verifies the draft)."""
-        forks = {f.place: list(f.tokens) for f in self.draft.forks} if self.draft else {}
+        """Its request: prompt, key and budget, with no response yet."""
         return RolloutRequest(f"{tag}{self.step}-{self.index}", list(self.prompt.token_ids),
-                              self.key, max_new_tokens, eos_token_ids=self.eos_token_ids,
-                              forks=forks)
+                              self.key, max_new_tokens, eos_token_ids=self.eos_token_ids)
 
 
 @dataclass(frozen=True)
