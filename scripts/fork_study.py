@@ -165,11 +165,9 @@ def summary(pairs: list[dict], forks: int) -> dict:
     def steps(rows, kind):
         return sum(r[kind]["steps"] for r in rows)
 
-    def share_lowest(rows):
-        """Of the first divergences, the share at one of the draft's ``forks`` lowest margins."""
-        hits = sum(e["place"] in lowest_margins(p["margins"][e["sample"]][:-1], forks)
-                   for p in pairs for e in p["divergences"] if e["first"])
-        return hits / max(len(rows), 1)
+    # of the first divergences, those at one of the draft's ``forks`` lowest margins
+    at_lowest = sum(e["place"] in lowest_margins(p["margins"][e["sample"]][:-1], forks)
+                    for p in pairs for e in p["divergences"] if e["first"])
 
     return {
         "divergences": len(events), "first_divergences": len(first),
@@ -180,7 +178,7 @@ def summary(pairs: list[dict], forks: int) -> dict:
         "rank_median_at_first": float(np.median([e["rank"] for e in first])),
         "runner_up_share": sum(e["runner_up"] for e in events) / max(len(events), 1),
         "runner_up_share_first": sum(e["runner_up"] for e in first) / max(len(first), 1),
-        "first_at_lowest_margins": share_lowest(first),
+        "first_at_lowest_margins": at_lowest / max(len(first), 1),
         "forked_samples": len(samples), "stragglers": len(stragglers),
         "steps": {k: steps(samples, k) for k in ("none", "forks", "bound")},
         "straggler_steps": {k: steps(stragglers, k) for k in ("none", "forks", "bound")},
