@@ -6,17 +6,24 @@ and Qwen3's MLP down projection) oneDNN picks another kernel than for two rows o
 in another order: the logits of a request decoded alone (an engine step that holds one token) differ
 in their last bits from the same position computed beside other rows. The on and off runs of
 BubbleSpec put a position in steps of different sizes (a straggler decodes alone in one run and
-verifies a draft in the other), so at a near tie a keyed draw flips. ``install()`` wraps each
-layer's ``cpu_linear`` so that a one-row input is computed as two copies of that row: every engine
-step then computes a row the way a step of two or more rows does (docs/results/identity.md). No file
-of vLLM is edited; other versions are refused by ``vllm_patches.install`` already.
+verifies a draft in the other), so at a near tie a keyed draw flips. ``install()`` wraps the
+``cpu_linear`` of each layer that rounds a lone row otherwise, so that a one-row input is computed
+as two copies of that row: every engine step then computes a row the way a step of two or more rows
+does (docs/results/identity.md). Which layers round otherwise is asked of the layer's own kernel
+when the model loads, on this CPU and thread count (the kernel choice is oneDNN's, per ISA), so the
+layers whose lone row is already exact (on this machine every one with a reduction of 1,024 or
+less, the LM head included) keep their one-row speed. No file of vLLM is edited; other versions are
+refused by ``vllm_patches.install`` already.
 """
 
 from __future__ import annotations
 
 import functools
 
+import torch
+
 _INSTALLED = False
+PROBE_ROWS = 2
 
 
 def _at_least_two_rows(linear):
@@ -31,6 +38,31 @@ def _at_least_two_rows(linear):
     return cpu_linear
 
 
+def rounds_alone_otherwise(linear, weight, bias, in_features: int, dtype: torch.dtype) -> bool:
+    """Whether ``linear`` gives a lone row other bits than the same row beside another: one probe
+    of random rows (a kernel that sums in another order differs in some of its outputs; the same
+    kernel gives the same bits for every input)."""
+    rows = torch.randn(PROBE_ROWS, in_features, generator=torch.Generator().manual_seed(0),
+                       dtype=dtype)
+    with torch.no_grad():
+        together = linear(rows, weight, bias)
+        alone = linear(rows[:1].contiguous(), weight, bias)
+    return not torch.equal(together[:1], alone)
+
+
+def _patch(layer, in_features: int, dtype: torch.dtype) -> None:
+    """Wrap ``layer.cpu_linear`` unless its lone row is already exact (a layer that cannot be
+    asked, a meta weight for one, is wrapped)."""
+    weight, bias = layer.weight, getattr(layer, "bias", None)
+    try:
+        exact = not weight.is_meta and not rounds_alone_otherwise(
+            layer.cpu_linear, weight, bias, in_features, dtype)
+    except (RuntimeError, ValueError, TypeError):
+        exact = False
+    if not exact:
+        layer.cpu_linear = _at_least_two_rows(layer.cpu_linear)
+
+
 def install() -> None:
     """Apply the patch once per process, before the engine loads its model."""
     global _INSTALLED
@@ -42,9 +74,11 @@ def install() -> None:
 
     @functools.wraps(original)
     def dispatch(layer, remove_weight):
+        # the shape is read first: vLLM may drop the weight once its kernel holds a copy
+        shape, dtype = layer.weight.shape, layer.weight.dtype
         original(layer, remove_weight)
-        if hasattr(layer, "cpu_linear"):
-            layer.cpu_linear = _at_least_two_rows(layer.cpu_linear)
+        if hasattr(layer, "cpu_linear") and len(shape) == 2:
+            _patch(layer, shape[1], dtype)
 
     utils.dispatch_cpu_unquantized_gemm = dispatch
     _INSTALLED = True
