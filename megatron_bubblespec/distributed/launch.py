@@ -3,8 +3,8 @@
 The torchrun-style entry for laptops, CI and tests: every rank gets RANK / WORLD_SIZE / LOCAL_RANK /
 MASTER_ADDR / MASTER_PORT, runs ``fn(*args)`` and its return value comes back to the caller in
 rank order. A rank that raises ends the whole launch with that rank's traceback; a rank that exits
-or is killed ends it with ``RankFailure`` naming the rank (the other ranks are terminated at once,
-not left waiting in a collective). SIGUSR1 / SIGTERM / SIGINT sent to the launcher are forwarded
+or is killed ends it with ``RankFailure`` naming the rank (the other ranks are stopped within
+``2 * PEER_FAILURE_GRACE_S``, not left waiting in a collective). SIGUSR1 / SIGTERM / SIGINT sent to the launcher are forwarded
 to the ranks (preemption: they checkpoint and exit; a rank stuck in a collective ends itself after
 its grace period, naming the stage).
 
@@ -30,6 +30,11 @@ import torch.multiprocessing as mp
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 START_METHOD_ENV = "BUBBLESPEC_START_METHOD"
 PRELOAD = "megatron_bubblespec.loop.preload"
+# A rank whose peer died waits in a collective no one else will join, and no checkpoint can
+# complete without the dead rank: the survivors get this long to end, as long again after SIGTERM,
+# then SIGKILL (torch's default is 30 s after SIGTERM, which a rank reads as preemption: it waits
+# for a step boundary that never comes). The last complete checkpoint stands.
+PEER_FAILURE_GRACE_S = 1.0
 
 
 class RankFailure(RuntimeError):
@@ -76,7 +81,7 @@ def launch_local(fn, world_size: int, *args, env: dict | None = None) -> list:
                                      start_method=_start_method())
         previous = forward_signals([p.pid for p in context.processes])
         try:
-            while not context.join(timeout=0.5):
+            while not context.join(timeout=0.5, grace_period=PEER_FAILURE_GRACE_S):
                 pass
         except mp.ProcessExitedException as err:
             how = f"signal {err.signal_name}" if err.signal_name else f"exit code {err.exit_code}"
