@@ -4,9 +4,9 @@ The torchrun-style entry for laptops, CI and tests: every rank gets RANK / WORLD
 MASTER_ADDR / MASTER_PORT, runs ``fn(*args)`` and its return value comes back to the caller in
 rank order. A rank that raises ends the whole launch with that rank's traceback; a rank that exits
 or is killed ends it with ``RankFailure`` naming the rank (the other ranks are stopped within
-``2 * PEER_FAILURE_GRACE_S``, not left waiting in a collective). SIGUSR1 / SIGTERM / SIGINT sent to the launcher are forwarded
-to the ranks (preemption: they checkpoint and exit; a rank stuck in a collective ends itself after
-its grace period, naming the stage).
+``2 * PEER_FAILURE_GRACE_S``, not left waiting in a collective). SIGUSR1 / SIGTERM / SIGINT sent
+to the launcher are forwarded to the ranks (preemption: they checkpoint and exit; a rank stuck in
+a collective ends itself after its grace period, naming the stage).
 
 Ranks start from multiprocessing's fork server, preloaded with torch, megatron-core and vLLM
 (``PRELOAD``, the module ``loop.preload``, named here and imported only by the fork server): a
