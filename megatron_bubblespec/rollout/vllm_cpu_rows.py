@@ -23,7 +23,9 @@ import functools
 import torch
 
 _INSTALLED = False
-PROBE_ROWS = 2
+# (shape, dtype, bias, threads) -> whether the kernel rounds a lone row otherwise: the kernel is
+# chosen by these, not by the values, and every weight update re-dispatches every layer
+_ROUNDS_ALONE_OTHERWISE: dict[tuple, bool] = {}
 
 
 def _at_least_two_rows(linear):
@@ -42,7 +44,7 @@ def rounds_alone_otherwise(linear, weight, bias, in_features: int, dtype: torch.
     """Whether ``linear`` gives a lone row other bits than the same row beside another: one probe
     of random rows (a kernel that sums in another order differs in some of its outputs; the same
     kernel gives the same bits for every input)."""
-    rows = torch.randn(PROBE_ROWS, in_features, generator=torch.Generator().manual_seed(0),
+    rows = torch.randn(2, in_features, generator=torch.Generator().manual_seed(0),
                        dtype=dtype)
     with torch.no_grad():
         together = linear(rows, weight, bias)
@@ -50,16 +52,23 @@ def rounds_alone_otherwise(linear, weight, bias, in_features: int, dtype: torch.
     return not torch.equal(together[:1], alone)
 
 
-def _patch(layer, in_features: int, dtype: torch.dtype) -> None:
+def _patch(layer, shape: tuple[int, ...], dtype: torch.dtype) -> None:
     """Wrap ``layer.cpu_linear`` unless its lone row is already exact (a layer that cannot be
     asked, a meta weight for one, is wrapped)."""
     weight, bias = layer.weight, getattr(layer, "bias", None)
-    try:
-        exact = not weight.is_meta and not rounds_alone_otherwise(
-            layer.cpu_linear, weight, bias, in_features, dtype)
-    except (RuntimeError, ValueError, TypeError):
-        exact = False
-    if not exact:
+    key = (tuple(shape), dtype, bias is not None, torch.get_num_threads())
+    if weight.is_meta:
+        otherwise = True
+    elif key in _ROUNDS_ALONE_OTHERWISE:
+        otherwise = _ROUNDS_ALONE_OTHERWISE[key]
+    else:
+        try:
+            otherwise = rounds_alone_otherwise(layer.cpu_linear, weight, bias, shape[1], dtype)
+        except (RuntimeError, ValueError, TypeError):
+            otherwise = True
+        else:
+            _ROUNDS_ALONE_OTHERWISE[key] = otherwise
+    if otherwise:
         layer.cpu_linear = _at_least_two_rows(layer.cpu_linear)
 
 
@@ -78,7 +87,7 @@ def install() -> None:
         shape, dtype = layer.weight.shape, layer.weight.dtype
         original(layer, remove_weight)
         if hasattr(layer, "cpu_linear") and len(shape) == 2:
-            _patch(layer, shape[1], dtype)
+            _patch(layer, shape, dtype)
 
     utils.dispatch_cpu_unquantized_gemm = dispatch
     _INSTALLED = True
