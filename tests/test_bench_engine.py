@@ -84,7 +84,9 @@ def test_rows(report):
 
 @pytest.fixture(scope="module")
 def keyed_vs_plain():
-    return bench_engine("vllm,plain", "tiny", BATCH_SIZES, PROMPT_LEN, NEW_TOKENS, 1.0, 2)
+    # at top-p, where plain vLLM's sampler sorts each row and the keyed draw scans
+    return bench_engine("vllm,plain", "tiny", BATCH_SIZES, PROMPT_LEN, NEW_TOKENS, 1.0, 2,
+                        top_p=0.9)
 
 
 def test_plain_generates_exactly_the_requested_tokens(tiny_checkpoint):
@@ -105,6 +107,7 @@ def test_keyed_vs_plain_rows_and_comparison(keyed_vs_plain):
     assert [(r["engine"], r["batch_size"]) for r in rows] == [
         (engine, b) for engine in ("vllm", "plain") for b in BATCH_SIZES]
     assert set(keyed_vs_plain["engines"]) == {"vllm", "plain"}
+    assert keyed_vs_plain["settings"]["top_p"] == 0.9
     draw = keyed_vs_plain["engines"]["vllm"]["keyed_draw"]
     assert draw == "c++" or draw.startswith("torch (")
     assert keyed_vs_plain["engines"]["plain"]["keyed_draw"] is None
@@ -129,7 +132,7 @@ def test_keyed_vs_plain_rows_and_comparison(keyed_vs_plain):
     console = Console(record=True, width=160)
     render_table(keyed_vs_plain, console)
     text = console.export_text()
-    assert "plain" in text and "keyed/" in text
+    assert "plain" in text and "keyed/" in text and "top-p 0.9" in text
     assert f"{comparison[0]['keyed_over_plain']:.3f}" in text
 
 

