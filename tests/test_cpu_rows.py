@@ -1,6 +1,8 @@
-"""``rollout/vllm_cpu_rows``: a layer whose kernel rounds a lone row otherwise is wrapped (its lone
-row then computed in a pair, the same bits as in company); a layer whose lone row is already exact
-keeps its kernel. The real oneDNN layers are checked in an engine by tests/test_engine_rows.py."""
+"""``rollout/vllm_cpu_rows``: a step of fewer than ``SMALL_STEP_ROWS`` rows is computed in a block
+of that many where the layer's kernel gives each row the same bits there (a lone row that the
+kernel rounds otherwise then gets the bits of its company); where the block would change a row's
+bits, a lone row is computed in a pair if it rounds otherwise and the kernel is kept if not. The
+real oneDNN layers are checked in an engine by tests/test_engine_rows.py."""
 
 import pytest
 import torch
@@ -8,11 +10,13 @@ from torch import nn
 
 from megatron_bubblespec.rollout import vllm_cpu_rows
 
+BLOCK = vllm_cpu_rows.SMALL_STEP_ROWS
+
 
 @pytest.fixture(autouse=True)
 def _fresh_decisions():
     """Each test's kernel is its own, where vLLM's is fixed by the layer's shape."""
-    vllm_cpu_rows._ROUNDS_ALONE_OTHERWISE.clear()
+    vllm_cpu_rows._STEP_BLOCK.clear()
 
 
 def _row_by_row(x, weight, bias):
@@ -27,6 +31,19 @@ def _lone_row_in_double(x, weight, bias):
     return _row_by_row(x, weight, bias)
 
 
+def _block_in_double(x, weight, bias):
+    """A kernel whose block of BLOCK rows or more sums another way than smaller steps."""
+    if x.shape[0] >= BLOCK:
+        return (x.double() @ weight.double().t()).float()
+    return _row_by_row(x, weight, bias)
+
+
+def _lone_row_and_block_in_double(x, weight, bias):
+    if x.shape[0] == 1:
+        return (x.double() @ weight.double().t()).float().mul(1 + 2 ** -20)
+    return _block_in_double(x, weight, bias)
+
+
 def _layer(kernel, in_features=1536, out_features=64):
     layer = nn.Module()
     layer.weight = nn.Parameter(torch.randn(out_features, in_features,
@@ -37,26 +54,71 @@ def _layer(kernel, in_features=1536, out_features=64):
     return layer
 
 
-def test_a_layer_that_rounds_a_lone_row_otherwise_is_wrapped_and_then_exact():
+def _rows(n):
+    return torch.randn(n, 1536, generator=torch.Generator().manual_seed(2))
+
+
+def test_a_lone_row_rounded_otherwise_gets_its_company_bits_in_the_block():
     layer = _layer(_lone_row_in_double)
-    x = torch.randn(3, 1536, generator=torch.Generator().manual_seed(2))
+    x = _rows(BLOCK + 1)
     assert not torch.equal(layer.cpu_linear(x[:1], layer.weight, None), layer.cpu_linear(
         x, layer.weight, None)[:1])
     vllm_cpu_rows._patch(layer, (64, 1536), torch.float32)
     assert layer.cpu_linear.__wrapped__ is _lone_row_in_double
-    for row in range(3):
-        alone = layer.cpu_linear(x[row:row + 1], layer.weight, None)
-        assert torch.equal(alone, layer.cpu_linear(x, layer.weight, None)[row:row + 1])
+    company = layer.cpu_linear(x, layer.weight, None)
+    for rows in range(1, BLOCK + 2):
+        for first in range(BLOCK + 2 - rows):
+            step = layer.cpu_linear(x[first:first + rows], layer.weight, None)
+            assert step.shape == (rows, 64)
+            assert torch.equal(step, company[first:first + rows])
 
 
-def test_a_layer_whose_lone_row_is_exact_keeps_its_kernel():
-    layer = _layer(_row_by_row)
+def test_a_small_step_reaches_the_kernel_as_a_block():
+    seen = []
+
+    def kernel(x, weight, bias):
+        seen.append(x.shape[0])
+        return _row_by_row(x, weight, bias)
+
+    layer = _layer(kernel)
     vllm_cpu_rows._patch(layer, (64, 1536), torch.float32)
-    assert layer.cpu_linear is _row_by_row
+    seen.clear()
+    x = _rows(BLOCK + 2)
+    for rows in range(1, BLOCK + 3):
+        assert torch.equal(layer.cpu_linear(x[:rows], layer.weight, None),
+                           _row_by_row(x[:rows], layer.weight, None))
+    assert seen == [max(rows, BLOCK) for rows in range(1, BLOCK + 3)]
 
 
-def test_a_layer_that_cannot_be_asked_is_wrapped():
+def test_a_block_that_rounds_otherwise_is_not_used():
+    layer = _layer(_block_in_double)
+    vllm_cpu_rows._patch(layer, (64, 1536), torch.float32)
+    assert layer.cpu_linear is _block_in_double       # a lone row is exact: the kernel as it is
+    vllm_cpu_rows._STEP_BLOCK.clear()                 # another kernel of the same shape
+    layer = _layer(_lone_row_and_block_in_double)
+    vllm_cpu_rows._patch(layer, (64, 1536), torch.float32)
+    x = _rows(2)
+    assert torch.equal(layer.cpu_linear(x[:1], layer.weight, None),
+                       layer.cpu_linear(x, layer.weight, None)[:1])   # the lone row in a pair
+
+
+def test_the_decision_is_kept_per_kernel_shape():
+    layer = _layer(_lone_row_in_double)
+    vllm_cpu_rows._patch(layer, (64, 1536), torch.float32)
+    assert list(vllm_cpu_rows._STEP_BLOCK.values()) == [BLOCK]
+    again = _layer(_block_in_double)        # the same shape: vLLM's kernel would be the same
+    vllm_cpu_rows._patch(again, (64, 1536), torch.float32)
+    assert again.cpu_linear.__wrapped__ is _block_in_double
+
+
+def test_a_layer_that_cannot_be_asked_computes_a_lone_row_in_a_pair():
     layer = _layer(_row_by_row)
     layer.weight = nn.Parameter(torch.empty(64, 1536, device="meta"), requires_grad=False)
     vllm_cpu_rows._patch(layer, (64, 1536), torch.float32)
     assert layer.cpu_linear.__wrapped__ is _row_by_row
+    assert vllm_cpu_rows._STEP_BLOCK == {}      # nothing learnt of the kernel
+    x = _rows(2)
+    seen = []
+    layer.cpu_linear = vllm_cpu_rows._in_block(lambda x, w, b: seen.append(len(x)) or x, 2)
+    layer.cpu_linear(x[:1], None, None)
+    assert seen == [2]

