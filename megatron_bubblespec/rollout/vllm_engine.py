@@ -29,8 +29,8 @@ Essentials:
   under ``cache_dir("vllm")``; without CUDA also ``TORCHDYNAMO_DISABLE=1`` plus an eager model
   (vllm-cpu also needs float32, head_dim >= 32 and an explicit ``kv_cache_memory_bytes``).
 * Rows independent of their engine step, on CPU: ``VLLM_CPU_ATTN_SPLIT_KV=0`` (set even over the
-  user's value) and ``vllm_cpu_rows`` (a one-row step's matmuls computed as two rows), so a
-  position's logits are the same bits in a decode step, a verify step, alone or in company.
+  user's value) and ``vllm_cpu_rows`` (a step of under four rows computed in a block of four), so
+  a position's logits are the same bits in a decode step, a verify step, alone or in company.
 """
 
 from __future__ import annotations
@@ -258,7 +258,7 @@ class VLLMEngine(RolloutEngine):
             from megatron_bubblespec.rollout import vllm_cpu_rows, vllm_moe_reload
 
             vllm_moe_reload.install()   # weight updates of CPU MoE layers repack the experts
-            if keyed:   # a one-row engine step rounds as a step of many rows (plain vLLM: as is)
+            if keyed:   # a one-row step rounds as a step of many rows (plain vLLM: as it is)
                 vllm_cpu_rows.install()
         self.llm = LLM(**{**kwargs, **llm_kwargs})
         self._engine = self.llm.llm_engine
