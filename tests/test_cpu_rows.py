@@ -112,13 +112,19 @@ def test_the_decision_is_kept_per_kernel_shape():
 
 
 def test_a_layer_that_cannot_be_asked_computes_a_lone_row_in_a_pair():
-    layer = _layer(_row_by_row)
+    seen = []
+
+    def kernel(x, weight, bias):
+        seen.append(x.shape[0])
+        return _row_by_row(x, weight, bias)
+
+    layer = _layer(kernel)
+    weight = layer.weight
     layer.weight = nn.Parameter(torch.empty(64, 1536, device="meta"), requires_grad=False)
     vllm_cpu_rows._patch(layer, (64, 1536), torch.float32)
-    assert layer.cpu_linear.__wrapped__ is _row_by_row
     assert vllm_cpu_rows._STEP_BLOCK == {}      # nothing learnt of the kernel
-    x = _rows(2)
-    seen = []
-    layer.cpu_linear = vllm_cpu_rows._in_block(lambda x, w, b: seen.append(len(x)) or x, 2)
-    layer.cpu_linear(x[:1], None, None)
-    assert seen == [2]
+    x = _rows(3)
+    for rows in (1, 2, 3):
+        assert torch.equal(layer.cpu_linear(x[:rows], weight, None),
+                           _row_by_row(x[:rows], weight, None))
+    assert seen == [2, 2, 3]

