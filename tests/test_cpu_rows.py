@@ -39,9 +39,20 @@ def _block_in_double(x, weight, bias):
 
 
 def _lone_row_and_block_in_double(x, weight, bias):
+    """Both: a lone row and a block summed otherwise than a step of 2 .. BLOCK - 1 rows."""
     if x.shape[0] == 1:
         return (x.double() @ weight.double().t()).float().mul(1 + 2 ** -20)
     return _block_in_double(x, weight, bias)
+
+
+def _recording(seen: list):
+    """``_row_by_row`` that notes in ``seen`` how many rows each call holds."""
+
+    def kernel(x, weight, bias):
+        seen.append(x.shape[0])
+        return _row_by_row(x, weight, bias)
+
+    return kernel
 
 
 def _layer(kernel, in_features=1536, out_features=64):
@@ -75,12 +86,7 @@ def test_a_lone_row_rounded_otherwise_gets_its_company_bits_in_the_block():
 
 def test_a_small_step_reaches_the_kernel_as_a_block():
     seen = []
-
-    def kernel(x, weight, bias):
-        seen.append(x.shape[0])
-        return _row_by_row(x, weight, bias)
-
-    layer = _layer(kernel)
+    layer = _layer(_recording(seen))
     vllm_cpu_rows._patch(layer, (64, 1536), torch.float32)
     seen.clear()
     x = _rows(BLOCK + 2)
@@ -113,12 +119,7 @@ def test_the_decision_is_kept_per_kernel_shape():
 
 def test_a_layer_that_cannot_be_asked_computes_a_lone_row_in_a_pair():
     seen = []
-
-    def kernel(x, weight, bias):
-        seen.append(x.shape[0])
-        return _row_by_row(x, weight, bias)
-
-    layer = _layer(kernel)
+    layer = _layer(_recording(seen))
     weight = layer.weight
     layer.weight = nn.Parameter(torch.empty(64, 1536, device="meta"), requires_grad=False)
     vllm_cpu_rows._patch(layer, (64, 1536), torch.float32)
